@@ -1,0 +1,112 @@
+"""The one Settings object: every knob of the service, read from AGENT_RFT_* env vars or .env."""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEV_WORKER_TOKEN = "dev-worker-token-change-me"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="AGENT_RFT_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    environment: Literal["dev", "production"] = Field(
+        "dev", description="`production` refuses development defaults (the worker token)."
+    )
+    data_dir: Path = Field(
+        Path("./.agent-rft"),
+        description="Where the embedded database, embedded broker and uploaded files live.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="`postgresql://user@host:port/db` for PostgreSQL; default: SQLite file `<data_dir>/agent_rft.sqlite3`.",
+    )
+    broker_url: str | None = Field(
+        None,
+        description="`redis://host:port/db` for Redis; default: an embedded SQLite-backed broker in `<data_dir>/broker.sqlite3`.",
+    )
+    auto_migrate: bool = Field(
+        False, description="Run `agent-rft db upgrade` automatically when the server starts."
+    )
+    storage_dir: Path | None = Field(
+        None, description="Directory for uploaded files; default `<data_dir>/files`."
+    )
+    max_upload_bytes: int = Field(
+        512 * 1024 * 1024, ge=1, description="Largest accepted upload; larger ones answer 413."
+    )
+    min_training_rows: int = Field(
+        1, ge=1, description="Fewest JSONL rows a training file must have to pass validation."
+    )
+    training_queue: str = Field("training", description="Celery queue that training jobs are sent to.")
+    outbound_allowlist: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated hosts or CIDRs that outbound calls to user URLs (tools, graders, webhooks) may reach despite the SSRF guard, e.g. `127.0.0.1,localhost` for local development. Empty by default.",
+    )
+    api_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="URL of the control plane as workers reach it.",
+    )
+    worker_token: SecretStr = Field(
+        SecretStr(DEV_WORKER_TOKEN),
+        description="Shared secret between the API and its workers (internal API). Must be changed in production.",
+    )
+    host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
+    port: int = Field(8000, description="Default port of `agent-rft serve`.")
+
+    @field_validator("outbound_allowlist", mode="before")
+    @classmethod
+    def _split_allowlist(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("outbound_allowlist")
+    @classmethod
+    def _check_allowlist(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if "/" in entry:
+                ipaddress.ip_network(entry, strict=False)  # raises ValueError on a bad CIDR
+        return entries
+
+    @model_validator(mode="after")
+    def _refuse_dev_defaults_in_production(self) -> "Settings":
+        if self.environment == "production" and self.worker_token.get_secret_value() == DEV_WORKER_TOKEN:
+            raise ValueError("AGENT_RFT_WORKER_TOKEN must be set to a secret value in production")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return normalize_database_url(self.database_url)
+        return f"sqlite:///{(self.data_dir / 'agent_rft.sqlite3').resolve()}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        if self.broker_url:
+            return self.broker_url
+        return f"sqla+sqlite:///{(self.data_dir / 'broker.sqlite3').resolve()}"
+
+    @property
+    def resolved_storage_dir(self) -> Path:
+        return (self.storage_dir or self.data_dir / "files").resolve()
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept plain `postgresql://` / `postgres://` URLs and pick the psycopg 3 driver."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

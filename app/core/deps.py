@@ -1,0 +1,50 @@
+"""`Annotated` dependency aliases shared by the routers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from app.auth.service import Principal, authenticate
+from app.core.config import Settings
+from app.core.db import session_scope
+from app.core.errors import APIError
+
+
+def _session(request: Request) -> Iterator[Session]:
+    yield from session_scope(request.app.state.session_factory)
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SessionDep = Annotated[Session, Depends(_session)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+def _current_key(request: Request, session: SessionDep) -> Principal:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise APIError(
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'.",
+            code="missing_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    principal = authenticate(session=session, secret=token.strip()) if scheme.lower() == "bearer" else None
+    if principal is None:
+        raise APIError(
+            401,
+            "Incorrect API key provided.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return principal
+
+
+CurrentKey = Annotated[Principal, Depends(_current_key)]

@@ -1,0 +1,29 @@
+"""Hand-off of jobs to the workers: a Celery message per run, sent by task name so the API
+never imports worker code."""
+
+from __future__ import annotations
+
+import uuid
+
+from app.core.config import Settings
+
+
+class JobQueue:
+    def __init__(self, settings: Settings) -> None:
+        from workers.celery_app import make_celery
+
+        self.settings = settings
+        self.celery = make_celery(settings)
+
+    def enqueue_job(self, job_id: str) -> str:
+        from workers.celery_app import RUN_JOB_TASK
+
+        task_id = f"{job_id}.{uuid.uuid4().hex[:12]}"
+        self.celery.send_task(
+            RUN_JOB_TASK, args=[job_id], task_id=task_id, queue=self.settings.training_queue,
+            retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+        )
+        return task_id
+
+    def close(self) -> None:
+        self.celery.close()

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
+
+from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.pagination import ListPage
+from app.jobs import pipeline, service
+from app.jobs.schemas import CheckpointObject, JobCreate, JobEventObject, JobObject
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+_METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+
+Limit = Annotated[int, Query(ge=1, le=100)]
+
+
+def _validate_later(request: Request, job_id: str) -> None:
+    state = request.app.state
+    pipeline.run_validation(state.session_factory, state.storage, state.queue, job_id,
+                            min_rows=state.settings.min_training_rows)
+
+
+def _send_later(request: Request, job_id: str) -> None:
+    pipeline.send_to_workers(request.app.state.session_factory, request.app.state.queue, job_id)
+
+
+@router.post("", response_model=JobObject)
+def create_job(
+    body: JobCreate,
+    request: Request,
+    background: BackgroundTasks,
+    principal: CurrentKey,
+    session: SessionDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JobObject:
+    job, created = service.create_job(
+        session=session, settings=settings, project_id=principal.project_id, body=body, idempotency_key=idempotency_key
+    )
+    if created:
+        session.commit()  # the validator runs in another session and must see the job
+        background.add_task(_validate_later, request, job.id)
+    return job
+
+
+@router.get("", response_model=ListPage[JobObject])
+def list_jobs(
+    request: Request, principal: CurrentKey, session: SessionDep, after: str | None = None, limit: Limit = 20
+) -> ListPage[JobObject]:
+    metadata = {
+        m.group(1): value for key, value in request.query_params.multi_items() if (m := _METADATA_PARAM.match(key))
+    }
+    return service.list_jobs(session=session, project_id=principal.project_id, after=after, limit=limit, metadata=metadata)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=JobObject)
+def retrieve_job(fine_tuning_job_id: str, principal: CurrentKey, session: SessionDep) -> JobObject:
+    return service.get_job(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id)
+
+
+def _action(action: str):  # noqa: ANN202
+    def endpoint(
+        fine_tuning_job_id: str, request: Request, background: BackgroundTasks, principal: CurrentKey, session: SessionDep
+    ) -> JobObject:
+        job = service.apply_action(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id, action=action)
+        if action == "resume":
+            session.commit()
+            background.add_task(_send_later, request, job.id)
+        return job
+
+    endpoint.__name__ = f"{action}_job"
+    endpoint.__doc__ = {
+        "pause": "Pause a queued or running job; its checkpoint and data position are kept.",
+        "resume": "Resume a paused job: it is queued and sent to the workers again.",
+        "cancel": "Cancel a job that has not finished.",
+    }[action]
+    return endpoint
+
+
+for _name in ("pause", "resume", "cancel"):
+    router.add_api_route(f"/{{fine_tuning_job_id}}/{_name}", _action(_name), methods=["POST"], response_model=JobObject)
+
+
+@router.get("/{fine_tuning_job_id}/events", response_model=ListPage[JobEventObject])
+def list_events(
+    fine_tuning_job_id: str, principal: CurrentKey, session: SessionDep, after: str | None = None, limit: Limit = 20
+) -> ListPage[JobEventObject]:
+    return service.list_events(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
+                               after=after, limit=limit)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints", response_model=ListPage[CheckpointObject])
+def list_checkpoints(
+    fine_tuning_job_id: str, principal: CurrentKey, session: SessionDep, after: str | None = None, limit: Limit = 10
+) -> ListPage[CheckpointObject]:
+    return service.list_checkpoints(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
+                                    after=after, limit=limit)

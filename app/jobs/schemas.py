@@ -1,0 +1,188 @@
+"""Request and response shapes of /v1/fine_tuning/jobs, as OpenAI defines them, plus the
+agent fields (`tools`, `max_episode_steps`) and one extension object, `x_open_model`."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+
+from app.core.urls import check_http_url
+from app.graders.schemas import Grader
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def auto_or(kind: type, low: float, high: float, *, low_open: bool = False) -> Any:
+    """`"auto"` or a number of `kind` within [low, high] (or (low, high] with low_open)."""
+    word = "an integer" if kind is int else "a number"
+    lower = f"greater than {low}" if low_open else f"at least {low}"
+
+    def check(value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be 'auto' or {word}")
+        if kind is int and not float(value).is_integer():
+            raise ValueError(f"must be 'auto' or {word}")
+        if (value <= low if low_open else value < low) or value > high:
+            raise ValueError(f"must be 'auto' or {word} {lower} and at most {high}, got {value}")
+        return kind(value)
+
+    schema = {"anyOf": [{"const": "auto"}, {"type": "integer" if kind is int else "number", "maximum": high,
+                        ("exclusiveMinimum" if low_open else "minimum"): low}], "default": "auto"}
+    return Annotated[Any, PlainValidator(check), WithJsonSchema(schema)]
+
+
+class ReinforcementHyperparameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: auto_or(int, 1, 256) = "auto"
+    n_epochs: auto_or(int, 1, 50) = "auto"
+    learning_rate_multiplier: auto_or(float, 0, 10, low_open=True) = "auto"
+    compute_multiplier: auto_or(float, 0, 10, low_open=True) = "auto"
+    eval_interval: auto_or(int, 1, 10000) = "auto"
+    eval_samples: auto_or(int, 1, 10000) = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
+class ToolEndpoint(BaseModel):
+    """A tool the agent may call: where to POST calls, with which headers. `description` and
+    `parameters` (extension) give the schema when the JSONL rows carry none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    server_url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not TOOL_NAME.match(name):
+            raise ValueError("must be 1-64 letters, digits, '_' or '-'")
+        return name
+
+    @field_validator("server_url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return check_http_url(url)
+
+
+class OpenModelOptions(BaseModel):
+    """Extension for open-weight models. Every field has a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or all parameters.")
+    lora_rank: int = Field(16, ge=1, le=512)
+    lora_alpha: int = Field(32, ge=1, le=1024)
+    loss: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description="Advantage estimator and normalisation.")
+    kl_coef: float = Field(0.0, ge=0, le=10, description="Weight of the KL penalty to the reference policy.")
+    clip_epsilon: float = Field(0.2, gt=0, le=1, description="PPO-style ratio clip.")
+    max_tokens_per_turn: int = Field(256, ge=1, le=32768)
+    max_tokens_per_rollout: int = Field(2048, ge=1, le=262144)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class ReinforcementMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: Grader
+    hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
+    response_format: dict[str, Any] | None = None
+    tools: list[ToolEndpoint] = Field(default_factory=list, max_length=64)
+    max_episode_steps: int = Field(10, ge=1, le=1000, description="Tool-call budget per rollout.")
+    x_open_model: OpenModelOptions = Field(default_factory=OpenModelOptions)
+
+
+class Method(BaseModel):
+    type: Literal["reinforcement", "supervised", "dpo"]
+    reinforcement: ReinforcementMethod | None = None
+    supervised: dict[str, Any] | None = None
+    dpo: dict[str, Any] | None = None
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    training_file: str = Field(min_length=1)
+    validation_file: str | None = None
+    method: Method | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    hyperparameters: dict[str, Any] | None = None
+    integrations: list[dict[str, Any]] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is None:
+            return None
+        if len(metadata) > 16:
+            raise ValueError("at most 16 key-value pairs")
+        for key, value in metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("keys are at most 64 characters and values at most 512")
+        return metadata
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobHyperparameters(BaseModel):
+    batch_size: Any = "auto"
+    learning_rate_multiplier: Any = "auto"
+    n_epochs: Any = "auto"
+
+
+class JobObject(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: JobError | None
+    fine_tuned_model: str | None
+    finished_at: int | None
+    hyperparameters: JobHyperparameters
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: str
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any]
+    suffix: str | None = None
+
+
+class JobEventObject(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"] = "message"
+    data: dict[str, Any] | None = None
+
+
+class CheckpointObject(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict[str, Any]
+    step_number: int

@@ -1,0 +1,213 @@
+"""Fine-tuning jobs: creation with synchronous checks, listing, user actions, events, checkpoints."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.core.config import Settings
+from app.core.db import unix, utcnow
+from app.core.errors import APIError, bad_request, not_found
+from app.core.ids import new_id
+from app.core.pagination import ListPage, page
+from app.core.urls import BlockedURL, guard_url
+from app.files.models import StoredFile
+from app.idempotency import service as idempotency
+from app.jobs.models import Checkpoint, Job, JobEvent
+from app.jobs.schemas import CheckpointObject, JobCreate, JobError, JobEventObject, JobHyperparameters, JobObject
+from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
+
+ENDPOINT = "POST /v1/fine_tuning/jobs"
+
+
+def mask_secret(value: str) -> str:
+    """Enough to recognise a header value, never enough to use it."""
+    return "****" + value[-4:] if len(value) >= 12 else "****"
+
+
+def _public_method(method: dict[str, Any]) -> dict[str, Any]:
+    reinforcement = method.get("reinforcement") or {}
+    tools = [
+        {**tool, "headers": {k: mask_secret(v) for k, v in (tool.get("headers") or {}).items()}}
+        for tool in reinforcement.get("tools", [])
+    ]
+    return {**method, "reinforcement": {**reinforcement, "tools": tools}} if reinforcement else method
+
+
+def to_schema(job: Job) -> JobObject:
+    hp = (job.method.get("reinforcement") or {}).get("hyperparameters", {})
+    return JobObject(
+        id=job.id, created_at=unix(job.created_at), error=JobError(**job.error) if job.error else None,
+        fine_tuned_model=job.fine_tuned_model, finished_at=unix(job.finished_at),
+        hyperparameters=JobHyperparameters(
+            batch_size=hp.get("batch_size", "auto"), learning_rate_multiplier=hp.get("learning_rate_multiplier", "auto"),
+            n_epochs=hp.get("n_epochs", "auto"),
+        ),
+        model=job.model, organization_id=job.project_id, result_files=list(job.result_files or []), seed=job.seed,
+        status=job.status, trained_tokens=job.trained_tokens, training_file=job.training_file,
+        validation_file=job.validation_file, estimated_finish=unix(job.estimated_finish),
+        metadata=job.user_metadata, method=_public_method(job.method), suffix=job.suffix,
+    )
+
+
+def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
+    method = body.method
+    if method is None:
+        raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
+                       code="missing_required_parameter", param="method")
+    if method.type != "reinforcement":
+        raise APIError(400, f"method.type '{method.type}' is not supported yet; this service trains with 'reinforcement'.",
+                       code="unsupported_method", param="method.type")
+    if method.reinforcement is None:
+        raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
+                       code="missing_required_parameter", param="method.reinforcement")
+    if body.hyperparameters:
+        raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
+                          param="hyperparameters")
+    if body.integrations:
+        raise bad_request("Integrations are not supported by this service.", param="integrations")
+    seen: set[str] = set()
+    for i, tool in enumerate(method.reinforcement.tools):
+        if tool.name in seen:
+            raise bad_request(f"Tool '{tool.name}' is declared twice.", param=f"method.reinforcement.tools[{i}].name",
+                              code="duplicate_tool")
+        seen.add(tool.name)
+        try:
+            guard_url(tool.server_url, settings.outbound_allowlist, strict_resolution=False)
+        except BlockedURL as exc:
+            raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
+                              param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
+    grader = method.reinforcement.grader
+    if getattr(grader, "url", None):
+        try:
+            guard_url(grader.url, settings.outbound_allowlist, strict_resolution=False)
+        except BlockedURL as exc:
+            raise bad_request(f"Grader url is not allowed: {exc}.", param="method.reinforcement.grader.url",
+                              code="url_not_allowed") from exc
+    return {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
+
+
+def _check_file(session: Session, project_id: str, file_id: str, param: str) -> None:
+    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
+    if row is None:
+        raise bad_request(f"Invalid file id '{file_id}': no such file.", param=param, code="invalid_file")
+    if row.purpose != "fine-tune":
+        raise bad_request(f"File '{file_id}' has purpose '{row.purpose}'; it must be 'fine-tune'.", param=param,
+                          code="invalid_file_purpose")
+    if row.status != "processed":
+        raise bad_request(f"File '{file_id}' is not ready (status '{row.status}').", param=param, code="file_not_ready")
+
+
+def create_job(
+    *, session: Session, settings: Settings, project_id: str, body: JobCreate, idempotency_key: str | None
+) -> tuple[JobObject, bool]:
+    """Returns the job and whether it is new (False: replayed for a repeated Idempotency-Key)."""
+    request_hash = idempotency.hash_json(body.model_dump(mode="json", exclude_unset=True))
+    replay = idempotency.claim(session, project_id=project_id, key=idempotency_key, endpoint=ENDPOINT,
+                               request_hash=request_hash)
+    if replay is not None:
+        return get_job(session=session, project_id=project_id, job_id=replay), False
+    method = _check_method(body, settings)
+    _check_file(session, project_id, body.training_file, "training_file")
+    if body.validation_file:
+        _check_file(session, project_id, body.validation_file, "validation_file")
+    job = Job(
+        id=new_id("ftjob-"), project_id=project_id, model=body.model, training_file=body.training_file,
+        validation_file=body.validation_file, status=JobStatus.VALIDATING_FILES.value, method=method,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31 - 1), suffix=body.suffix,
+        user_metadata=body.metadata, result_files=[],
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job, f"Created fine-tuning job: {job.id}", data={"status": job.status})
+    add_event(session, job, "Validating training file: " + body.training_file)
+    idempotency.complete(session, project_id=project_id, key=idempotency_key, object_id=job.id)
+    return to_schema(job), True
+
+
+def get_row(*, session: Session, project_id: str, job_id: str, for_update: bool = False) -> Job:
+    stmt = select(Job).where(Job.id == job_id, Job.project_id == project_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    job = session.scalar(stmt)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job
+
+
+def get_job(*, session: Session, project_id: str, job_id: str) -> JobObject:
+    return to_schema(get_row(session=session, project_id=project_id, job_id=job_id))
+
+
+def list_jobs(
+    *, session: Session, project_id: str, after: str | None, limit: int, metadata: dict[str, str]
+) -> ListPage[JobObject]:
+    stmt = select(Job).where(Job.project_id == project_id)
+    for key, value in metadata.items():
+        stmt = stmt.where(Job.user_metadata[key].as_string() == value)
+    rows, has_more = page(session, stmt, Job, after=after, limit=limit)
+    return ListPage[JobObject](data=[to_schema(r) for r in rows], has_more=has_more)
+
+
+def apply_action(*, session: Session, project_id: str, job_id: str, action: str) -> JobObject:
+    job = get_row(session=session, project_id=project_id, job_id=job_id, for_update=True)
+    target = ACTIONS[action]
+    past = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[action]
+    transition(session, job, target, action=action, message=f"Job {past} by user.")
+    return to_schema(job)
+
+
+def list_events(*, session: Session, project_id: str, job_id: str, after: str | None, limit: int) -> ListPage[JobEventObject]:
+    get_row(session=session, project_id=project_id, job_id=job_id)
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    rows, has_more = page(session, stmt, JobEvent, after=after, limit=limit)
+    data = [
+        JobEventObject(id=e.id, created_at=unix(e.created_at), level=e.level, message=e.message, type=e.type, data=e.data)
+        for e in rows
+    ]
+    return ListPage[JobEventObject](data=data, has_more=has_more)
+
+
+def list_checkpoints(
+    *, session: Session, project_id: str, job_id: str, after: str | None, limit: int
+) -> ListPage[CheckpointObject]:
+    get_row(session=session, project_id=project_id, job_id=job_id)
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    rows, has_more = page(session, stmt, Checkpoint, after=after, limit=limit)
+    data = [
+        CheckpointObject(
+            id=c.id, created_at=unix(c.created_at), fine_tuned_model_checkpoint=c.fine_tuned_model_checkpoint,
+            fine_tuning_job_id=c.job_id, metrics=c.metrics or {}, step_number=c.step_number,
+        )
+        for c in rows
+    ]
+    return ListPage[CheckpointObject](data=data, has_more=has_more, first_id=data[0].id if data else None,
+                                      last_id=data[-1].id if data else None)
+
+
+def record_checkpoint(*, session: Session, job: Job, step_number: int, model_ref: str, metrics: dict[str, Any]) -> Checkpoint:
+    checkpoint = Checkpoint(id=new_id("ftckpt_"), job_id=job.id, step_number=step_number,
+                            fine_tuned_model_checkpoint=model_ref, metrics=metrics)
+    session.add(checkpoint)
+    add_event(session, job, f"Checkpoint created at step {step_number}", data={"checkpoint": checkpoint.id,
+                                                                              "step": step_number})
+    session.flush()
+    return checkpoint
+
+
+def active_job_using_file(*, session: Session, project_id: str, file_id: str) -> str | None:
+    stmt = select(Job.id).where(
+        Job.project_id == project_id,
+        Job.status.in_([s.value for s in ACTIVE]),
+        (Job.training_file == file_id) | (Job.validation_file == file_id),
+    ).limit(1)
+    return session.scalar(stmt)
+
+
+def mark_enqueued(*, session: Session, job_id: str) -> None:
+    job = session.scalar(select(Job).where(Job.id == job_id))
+    if job is not None and job.status == JobStatus.QUEUED.value:
+        job.enqueued_at = utcnow()

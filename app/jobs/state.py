@@ -1,0 +1,68 @@
+"""The job state machine: the only place a job's status changes. Every change writes an event."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.core.db import utcnow
+from app.core.errors import conflict
+from app.core.ids import new_id
+from app.jobs.models import Job, JobEvent
+
+
+class JobStatus(StrEnum):
+    VALIDATING_FILES = "validating_files"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+S = JobStatus
+TERMINAL = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
+ACTIVE = frozenset({S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED})
+
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    S.VALIDATING_FILES: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
+    S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.FAILED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
+    S.PAUSED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
+}
+
+# User actions and the status each one moves a job to.
+ACTIONS: dict[str, JobStatus] = {"pause": S.PAUSED, "resume": S.QUEUED, "cancel": S.CANCELLED}
+
+
+def add_event(
+    session: Session, job: Job, message: str, *, level: str = "info", type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    event = JobEvent(id=new_id("ftevent-"), job_id=job.id, level=level, type=type, message=message, data=data)
+    session.add(event)
+    return event
+
+
+def transition(
+    session: Session, job: Job, to: JobStatus, *, message: str, action: str | None = None,
+    level: str = "info", error: dict[str, Any] | None = None,
+) -> None:
+    current = JobStatus(job.status)
+    if to not in TRANSITIONS.get(current, frozenset()):
+        verb = action or f"move to '{to.value}'"
+        raise conflict(
+            f"Cannot {verb} job '{job.id}': its status is '{current.value}'.",
+            code="invalid_job_status", param="status",
+        )
+    job.status = to.value
+    if to in TERMINAL:
+        job.finished_at = utcnow()
+    if error is not None:
+        job.error = error
+    if to == S.QUEUED:
+        job.enqueued_at = None  # (re)sent to the broker after the commit
+    add_event(session, job, message, level=level, data={"status": to.value, "previous_status": current.value})

@@ -1,0 +1,148 @@
+"""Line-by-line checks of a training or validation JSONL file.
+
+Streams the file: memory stays bounded by the longest line, whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LINE_BYTES = 16 * 1024 * 1024
+MAX_REPORTED = 5
+
+
+@dataclass
+class RowError:
+    line: int
+    code: str
+    message: str
+
+
+@dataclass
+class FileReport:
+    rows: int = 0
+    errors: list[RowError] = field(default_factory=list)
+    error_count: int = 0
+
+    def add(self, line: int, code: str, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_REPORTED:
+            self.errors.append(RowError(line, code, message))
+
+
+class RowProblem(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _check_content(i: int, message: dict[str, Any]) -> None:
+    content = message.get("content")
+    if content is None:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            return
+        raise RowProblem("invalid_content", f"messages[{i}].content is missing")
+    if isinstance(content, str):
+        return
+    if isinstance(content, list) and content:
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise RowProblem("invalid_content", f"messages[{i}].content[{j}] must be an object with a 'type'")
+            if part["type"] in ("text", "input_text") and not isinstance(part.get("text"), str):
+                raise RowProblem("invalid_content", f"messages[{i}].content[{j}].text must be a string")
+        return
+    raise RowProblem("invalid_content", f"messages[{i}].content must be a string or a non-empty list of content parts")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RowProblem("missing_messages", "'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RowProblem("invalid_message", f"messages[{i}] must be an object")
+        if message.get("role") not in ROLES:
+            raise RowProblem("invalid_role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.get('role')!r}")
+        _check_content(i, message)
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise RowProblem("invalid_message", f"messages[{i}] has role 'tool' but no tool_call_id")
+    if messages[-1]["role"] != "user":
+        raise RowProblem("last_message_not_user", f"the last message must have role 'user', not '{messages[-1]['role']}'")
+
+
+def _check_tools(tools: Any, declared: set[str]) -> None:
+    if not isinstance(tools, list):
+        raise RowProblem("invalid_tools", "'tools' must be a list")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise RowProblem("invalid_tools", f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise RowProblem("invalid_tools", f"tools[{i}].function.name must be a non-empty string")
+        if name in names:
+            raise RowProblem("invalid_tools", f"tools[{i}] repeats the tool name '{name}'")
+        names.add(name)
+        if name not in declared:
+            known = ", ".join(sorted(declared)) or "none"
+            raise RowProblem(
+                "undeclared_tool",
+                f"tools[{i}] names '{name}', which the job does not declare in method.reinforcement.tools (declared: {known})",
+            )
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict) or parameters.get("type") != "object":
+                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters must be a JSON schema of type 'object'")
+            try:
+                Draft202012Validator.check_schema(parameters)
+            except SchemaError as exc:
+                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters is not a valid JSON schema: {exc.message}") from None
+
+
+def check_row(row: Any, declared_tools: set[str]) -> None:
+    if not isinstance(row, dict):
+        raise RowProblem("invalid_row", "each line must be a JSON object")
+    if "messages" not in row:
+        raise RowProblem("missing_messages", "the row has no 'messages'")
+    _check_messages(row["messages"])
+    if "tools" in row:
+        _check_tools(row["tools"], declared_tools)
+
+
+def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:
+    report = FileReport()
+    line_no = 0
+    while True:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            break
+        line_no += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            report.add(line_no, "line_too_long", f"the line is longer than {MAX_LINE_BYTES} bytes")
+            while raw and not raw.endswith(b"\n"):  # skip the rest of the over-long line
+                raw = fh.readline(MAX_LINE_BYTES)
+            continue
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except UnicodeDecodeError:
+            report.add(line_no, "invalid_encoding", "the line is not valid UTF-8")
+            continue
+        except json.JSONDecodeError as exc:
+            report.add(line_no, "invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        try:
+            check_row(row, declared_tools)
+        except RowProblem as problem:
+            report.add(line_no, problem.code, problem.message)
+            continue
+        report.rows += 1
+    return report

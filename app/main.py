@@ -1,0 +1,83 @@
+"""The control plane's FastAPI application."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.core.config import Settings, get_settings
+from app.core.db import make_engine, make_session_factory
+from app.core.errors import error_body, install_error_handlers
+from app.core.migrations import ensure_schema
+from app.core.queue import JobQueue
+from app.files.router import router as files_router
+from app.files.storage import LocalStorage
+from app.jobs import pipeline
+from app.jobs.router import router as jobs_router
+
+log = logging.getLogger(__name__)
+MULTIPART_OVERHEAD = 64 * 1024
+
+
+class UploadLimit:
+    """Answer 413 before reading a body whose declared length is already over the upload limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files":
+            length = dict(scope["headers"]).get(b"content-length")
+            if length and length.isdigit() and int(length) > self.max_bytes + MULTIPART_OVERHEAD:
+                from starlette.responses import JSONResponse
+
+                body = error_body(f"File is larger than the {self.max_bytes}-byte upload limit.",
+                                  type="invalid_request_error", code="file_too_large", param="file")
+                await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    engine = make_engine(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        ensure_schema(engine, auto_migrate=settings.auto_migrate)
+        state = app.state
+        # Finish what a previous process left half done, without delaying start-up.
+        threading.Thread(
+            target=pipeline.recover, args=(state.session_factory, state.storage, state.queue),
+            kwargs={"min_rows": settings.min_training_rows}, name="recover-jobs", daemon=True,
+        ).start()
+        yield
+        state.queue.close()
+        engine.dispose()
+
+    app = FastAPI(
+        title="agent-rft",
+        version="0.1.0",
+        summary="OpenAI-compatible reinforcement fine-tuning of open-weight agents that call real tools.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = make_session_factory(engine)
+    app.state.storage = LocalStorage(settings.resolved_storage_dir)
+    app.state.queue = JobQueue(settings)
+    install_error_handlers(app)
+    app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
+    app.include_router(files_router)
+    app.include_router(jobs_router)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,36 @@
+"""The Celery application shared by the API (which only sends tasks, by name) and the workers.
+
+Importing this module pulls in no web code and no torch.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from app.core.config import Settings, get_settings
+
+RUN_JOB_TASK = "agent_rft.run_job"
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    if not settings.broker_url:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    app = Celery("agent_rft", broker=settings.resolved_broker_url)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_default_queue=settings.training_queue,
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        # Training tasks run for hours: the broker must not hand an unacknowledged task to a
+        # second worker while the first still runs it (DESIGN.md §5). The control plane's
+        # lease on the job is the real guard; this keeps Redis from racing it.
+        broker_transport_options={"visibility_timeout": 24 * 3600} if settings.broker_url else {},
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=5,
+    )
+    return app
+
+
+celery_app = make_celery()
