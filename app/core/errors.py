@@ -54,7 +54,7 @@ def error_body(message: str, *, type: str, code: str | None, param: str | None) 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     """('body', 'method', 'reinforcement', 'tools', 0, 'name') -> 'method.reinforcement.tools[0].name'."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header", "form")]
-    parts = [p for i, p in enumerate(parts) if not (p in UNION_TAGS and i < len(parts) - 1)]
+    parts = [p for p in parts if p not in UNION_TAGS]
     param = ""
     for part in parts:
         if isinstance(part, int):

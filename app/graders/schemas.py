@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from app.core.schema_tags import register_union_tags
 from app.core.urls import check_http_url
@@ -74,12 +74,13 @@ class LabelModelGrader(_Grader):
     labels: list[str] = Field(min_length=1)
     passing_labels: list[str] = Field(min_length=1)
 
-    @model_validator(mode="after")
-    def _passing_subset(self) -> "LabelModelGrader":
-        unknown = set(self.passing_labels) - set(self.labels)
+    @field_validator("passing_labels")
+    @classmethod
+    def _passing_subset(cls, passing: list[str], info: ValidationInfo) -> list[str]:
+        unknown = set(passing) - set(info.data.get("labels") or [])
         if unknown:
             raise ValueError(f"passing_labels {sorted(unknown)} are not among labels")
-        return self
+        return passing
 
 
 class PythonGrader(_Grader):
@@ -142,10 +143,11 @@ class MultiGrader(_Grader):
     graders: dict[str, "Grader"] = Field(min_length=1)
     calculate_output: str = Field(min_length=1)
 
-    @model_validator(mode="after")
-    def _formula(self) -> "MultiGrader":
-        check_formula(self.calculate_output, set(self.graders))
-        return self
+    @field_validator("calculate_output")
+    @classmethod
+    def _formula(cls, formula: str, info: ValidationInfo) -> str:
+        check_formula(formula, set(info.data.get("graders") or {}))
+        return formula
 
 
 Grader = Annotated[

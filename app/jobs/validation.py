@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, BinaryIO
 
 from jsonschema import Draft202012Validator
@@ -76,6 +77,16 @@ def _check_messages(messages: Any) -> None:
         raise RowProblem("last_message_not_user", f"the last message must have role 'user', not '{messages[-1]['role']}'")
 
 
+@lru_cache(maxsize=1024)
+def _schema_problem(parameters_json: str) -> str | None:
+    """Checking a JSON schema is slow and rows usually repeat the same few: check each once."""
+    try:
+        Draft202012Validator.check_schema(json.loads(parameters_json))
+    except SchemaError as exc:
+        return exc.message
+    return None
+
+
 def _check_tools(tools: Any, declared: set[str]) -> None:
     if not isinstance(tools, list):
         raise RowProblem("invalid_tools", "'tools' must be a list")
@@ -100,10 +111,9 @@ def _check_tools(tools: Any, declared: set[str]) -> None:
         if parameters is not None:
             if not isinstance(parameters, dict) or parameters.get("type") != "object":
                 raise RowProblem("invalid_tools", f"tools[{i}].function.parameters must be a JSON schema of type 'object'")
-            try:
-                Draft202012Validator.check_schema(parameters)
-            except SchemaError as exc:
-                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters is not a valid JSON schema: {exc.message}") from None
+            problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+            if problem:
+                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters is not a valid JSON schema: {problem}")
 
 
 def check_row(row: Any, declared_tools: set[str]) -> None:

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The demo, on the embedded default (SQLite + an embedded broker: no PostgreSQL or Redis needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+exec .venv/bin/agent-rft demo "$@"

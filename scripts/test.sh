@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs into .venv, starts (or reuses)
+# PostgreSQL and Redis on 127.0.0.1, runs pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+ensure_packages() {
+  local missing=()
+  command -v pg_ctlcluster >/dev/null || missing+=(postgresql)
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  if ((${#missing[@]})); then
+    echo "installing ${missing[*]} from Debian's packages"
+    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  fi
+}
+
+ensure_postgres() {
+  if pg_isready -q -h 127.0.0.1 -p 5432; then return; fi
+  echo "starting PostgreSQL"
+  as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -1)" main start || true
+  for _ in $(seq 60); do pg_isready -q -h 127.0.0.1 -p 5432 && return; sleep 0.5; done
+  echo "PostgreSQL did not start on 127.0.0.1:5432" >&2; exit 1
+}
+
+ensure_redis() {
+  if redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then return; fi
+  echo "starting Redis"
+  as_root mkdir -p /var/lib/redis /var/log/redis
+  as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  for _ in $(seq 60); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && return; sleep 0.5; done
+  echo "Redis did not start on 127.0.0.1:6379" >&2; exit 1
+}
+
+ensure_packages
+ensure_postgres
+ensure_redis
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# pytest exits 5 when it collected no tests: that is a failure here too (set -e keeps it).
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,206 @@
+"""Fixtures: a fresh PostgreSQL database per run (migrated with Alembic, tables emptied after
+each test), a Redis queue per test, the real app, and helpers that act like an API user."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+import uvicorn
+from fastapi.testclient import TestClient
+
+from app.auth.service import create_project
+from app.core.config import Settings
+from app.core.db import make_engine, make_session_factory
+from app.core.migrations import upgrade
+from app.main import create_app
+from app.models import Base
+
+PG_HOST = os.environ.get("AGENT_RFT_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+REDIS_URL = os.environ.get("AGENT_RFT_TEST_REDIS", "redis://127.0.0.1:6379/15")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def fresh_pg_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database, dropped afterwards."""
+    name = f"agent_rft_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"{PG_HOST}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{PG_HOST}/{name}"
+    finally:
+        with psycopg.connect(f"{PG_HOST}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    with fresh_pg_database() as url:
+        upgrade(url.replace("postgresql://", "postgresql+psycopg://"))
+        yield url
+
+
+def _truncate_all(url: str) -> None:
+    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(pg_url: str, tmp_path: Path, redis_client: redis.Redis) -> Iterator[Settings]:
+    queue = f"test-training-{uuid.uuid4().hex[:8]}"
+    yield Settings(
+        _env_file=None, data_dir=tmp_path / "data", database_url=pg_url, broker_url=REDIS_URL,
+        training_queue=queue, outbound_allowlist=["127.0.0.1", "localhost"],
+    )
+    redis_client.delete(queue)
+    _truncate_all(pg_url)
+
+
+def make_project(settings: Settings, name: str | None = None) -> dict[str, str]:
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        with make_session_factory(engine).begin() as session:
+            created = create_project(session=session, name=name or f"p-{uuid.uuid4().hex[:8]}")
+    finally:
+        engine.dispose()
+    return {"key": created.secret, "project_id": created.project_id, "name": created.project_name}
+
+
+class Api:
+    """A TestClient bound to one project's API key."""
+
+    def __init__(self, client: TestClient, key: str) -> None:
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {key}"}
+
+    def request(self, method: str, url: str, **kwargs: Any):  # noqa: ANN201
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return self.client.request(method, url, headers=headers, **kwargs)
+
+    def get(self, url: str, **kw: Any):  # noqa: ANN201
+        return self.request("GET", url, **kw)
+
+    def post(self, url: str, **kw: Any):  # noqa: ANN201
+        return self.request("POST", url, **kw)
+
+    def delete(self, url: str, **kw: Any):  # noqa: ANN201
+        return self.request("DELETE", url, **kw)
+
+    def upload(self, content: bytes | list[dict], filename: str = "train.jsonl", purpose: str = "fine-tune", **kw: Any):  # noqa: ANN201
+        if isinstance(content, list):
+            content = jsonl(content)
+        return self.post("/v1/files", files={"file": (filename, content)}, data={"purpose": purpose}, **kw)
+
+    def upload_ok(self, content: bytes | list[dict], **kw: Any) -> str:
+        response = self.upload(content, **kw)
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+def question_rows(n: int = 3, tools: bool = True) -> list[dict]:
+    schema = [
+        {"type": "function", "function": {"name": "search", "description": "Search reports",
+                                          "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                         "required": ["query"]}}},
+    ]
+    rows = []
+    for i in range(n):
+        row: dict[str, Any] = {"messages": [{"role": "system", "content": "Answer with a number."},
+                                            {"role": "user", "content": f"What was revenue in year {2000 + i}?"}],
+                               "reference_answer": str(100 + i)}
+        if tools:
+            row["tools"] = [dict(t) for t in schema]
+        rows.append(row)
+    return rows
+
+
+def job_body(training_file: str, **overrides: Any) -> dict[str, Any]:
+    reinforcement = {
+        "grader": {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+                   "reference": "{{item.reference_answer}}", "operation": "eq"},
+        "tools": [{"name": "search", "server_url": "http://127.0.0.1:8765/tools",
+                   "headers": {"Authorization": "Bearer tool-secret-abcdef123456"}}],
+        "max_episode_steps": 10,
+    }
+    reinforcement.update(overrides.pop("reinforcement", {}))
+    body = {"model": "SmolLM2-135M-Instruct", "training_file": training_file,
+            "method": {"type": "reinforcement", "reinforcement": reinforcement}}
+    body.update(overrides)
+    return body
+
+
+@pytest.fixture
+def app(settings: Settings):  # noqa: ANN201
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app) -> Iterator[TestClient]:  # noqa: ANN001
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def project(settings: Settings) -> dict[str, str]:
+    return make_project(settings)
+
+
+@pytest.fixture
+def api(client: TestClient, project: dict[str, str]) -> Api:
+    return Api(client, project["key"])
+
+
+def wait_for(predicate, timeout: float = 15.0, interval: float = 0.05):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def live_server(settings: Settings) -> Iterator[str]:
+    """The real app under uvicorn on 127.0.0.1, in a thread."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=20)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
