@@ -97,6 +97,10 @@ BAD_BODIES = [
     (lambda b: b["method"]["reinforcement"]["tools"][0].update(server_url="ftp://x/y"),
      "method.reinforcement.tools[0].server_url"),
     (lambda b: b["method"]["reinforcement"]["tools"][0].pop("server_url"), "method.reinforcement.tools[0].server_url"),
+    (lambda b: b["method"]["reinforcement"]["tools"][0].update(parameters={"type": "object", "properties": 3}),
+     "method.reinforcement.tools[0].parameters"),
+    (lambda b: b["method"]["reinforcement"]["tools"][0].update(parameters={"type": "string"}),
+     "method.reinforcement.tools[0].parameters"),
     (lambda b: b.update(training_file="file-doesnotexist"), "training_file"),
     (lambda b: b.update(validation_file="file-doesnotexist"), "validation_file"),
     (lambda b: b.pop("model"), "model"),
@@ -148,6 +152,13 @@ def test_ssrf_guard_on_tool_and_grader_urls(client, app, project):
     body["method"]["reinforcement"]["tools"] = []
     body["method"]["reinforcement"]["grader"] = {"type": "endpoint", "name": "e", "url": "http://127.0.0.1:9/grade"}
     assert create(api, body).json()["error"]["param"] == "method.reinforcement.grader.url"
+    nested = {"type": "multi", "name": "m", "calculate_output": "0.5 * exact + 0.5 * judge", "graders": {
+        "exact": {"type": "string_check", "name": "x", "input": "a", "reference": "b", "operation": "eq"},
+        "judge": {"type": "endpoint", "name": "j", "url": "http://169.254.169.254/latest"}}}
+    body["method"]["reinforcement"]["grader"] = nested
+    refused = create(api, body).json()["error"]
+    assert refused["param"] == "method.reinforcement.grader.graders.judge.url" and refused["code"] == "url_not_allowed"
+    nested["graders"]["judge"]["url"] = "http://127.0.0.1:9/grade"
     app.state.settings.outbound_allowlist = ["127.0.0.0/8"]
     assert create(api, body).status_code == 200
 
@@ -188,7 +199,8 @@ def test_pause_resume_cancel_and_illegal_transitions(api):
     for action in ("pause", "resume", "cancel"):
         again = api.post(f"{url}/{action}")
         assert again.status_code == 409 and "'cancelled'" in again.json()["error"]["message"]
-    assert api.post("/v1/fine_tuning/jobs/ftjob-nope/cancel").status_code == 404
+    missing = api.post("/v1/fine_tuning/jobs/ftjob-nope/cancel")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "fine_tuning_job_not_found"
 
     # Every transition wrote an event; newest first.
     messages = [e["message"] for e in api.get(f"{url}/events", params={"limit": 100}).json()["data"]]

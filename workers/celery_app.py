@@ -33,4 +33,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
     return app
 
 
-celery_app = make_celery()
+def __getattr__(name: str) -> Celery:
+    """`celery_app` for `celery -A workers.celery_app` and `agent-rft worker`, built on first use
+    from the environment's settings, so importing this module has no side effects."""
+    if name == "celery_app":
+        app = make_celery()
+        globals()["celery_app"] = app
+        return app
+    raise AttributeError(name)

@@ -58,6 +58,18 @@ class Settings(BaseSettings):
         SecretStr(DEV_WORKER_TOKEN),
         description="Shared secret between the API and its workers (internal API). Must be changed in production.",
     )
+    judge_base_url: str | None = Field(
+        None,
+        description="OpenAI-compatible chat-completions base URL (e.g. `http://127.0.0.1:9000/v1`) used by `score_model` and `label_model` graders.",
+    )
+    judge_api_key: SecretStr | None = Field(None, description="API key sent to `AGENT_RFT_JUDGE_BASE_URL`.")
+    judge_local_model: str | None = Field(
+        None,
+        description="Use a local transformers model as the judge instead (a registry name such as `SmolLM2-135M-Instruct`, or a directory).",
+    )
+    grader_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to an endpoint grader or judge model.")
+    python_grader_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one `python` grader run.")
+    python_grader_memory_mb: int = Field(512, ge=64, description="Memory limit of the `python` grader's sandbox process.")
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
 

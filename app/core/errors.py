@@ -40,7 +40,7 @@ def bad_request(message: str, *, param: str | None = None, code: str = "invalid_
 
 
 def not_found(kind: str, object_id: str, *, param: str | None = None) -> APIError:
-    return APIError(404, f"No such {kind}: '{object_id}'", code=f"{kind.replace(' ', '_')}_not_found", param=param)
+    return APIError(404, f"No such {kind}: '{object_id}'", code=f"{kind.replace(' ', '_').replace('-', '_')}_not_found", param=param)
 
 
 def conflict(message: str, *, code: str = "conflict", param: str | None = None) -> APIError:
@@ -65,7 +65,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
 
 
 def _validation_message(err: dict[str, Any], param: str | None) -> str:
-    msg = err.get("msg", "Invalid value")
+    msg = err.get("msg", "Invalid value").removeprefix("Value error, ")
     return f"Invalid value for '{param}': {msg}" if param else msg
 
 

@@ -62,7 +62,7 @@ def validate_job_files(session: Session, storage: Storage, job: Job, *, min_rows
         failure = _failure(param, file_id, report, rows_needed)
         if failure:
             return failure
-        add_event(session, job, f"{param} '{file_id}' is valid: {report.rows} rows.")
+        add_event(session, job, f"{param} '{file_id}' is valid: {report.rows} row{'s' if report.rows != 1 else ''}.")
     return None
 
 

@@ -19,6 +19,7 @@ from app.idempotency import service as idempotency
 from app.jobs.models import Checkpoint, Job, JobEvent
 from app.jobs.schemas import CheckpointObject, JobCreate, JobError, JobEventObject, JobHyperparameters, JobObject
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
+from app.jobs.validation import parameters_schema_problem
 
 ENDPOINT = "POST /v1/fine_tuning/jobs"
 
@@ -53,6 +54,14 @@ def to_schema(job: Job) -> JobObject:
     )
 
 
+def _graders_with_urls(grader: Any, path: str) -> list[tuple[str, Any]]:
+    """Every grader in the tree (multi graders nest) that calls a user URL, with its param path."""
+    found = [(path, grader)] if getattr(grader, "url", None) else []
+    for name, sub in (getattr(grader, "graders", None) or {}).items():
+        found += _graders_with_urls(sub, f"{path}.graders.{name}")
+    return found
+
+
 def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
     method = body.method
     if method is None:
@@ -75,17 +84,21 @@ def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
             raise bad_request(f"Tool '{tool.name}' is declared twice.", param=f"method.reinforcement.tools[{i}].name",
                               code="duplicate_tool")
         seen.add(tool.name)
+        if tool.parameters is not None:
+            problem = parameters_schema_problem(tool.parameters)
+            if problem:
+                raise bad_request(f"Tool '{tool.name}' parameters {problem}.",
+                                  param=f"method.reinforcement.tools[{i}].parameters", code="invalid_tool_schema")
         try:
             guard_url(tool.server_url, settings.outbound_allowlist, strict_resolution=False)
         except BlockedURL as exc:
             raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
                               param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
-    grader = method.reinforcement.grader
-    if getattr(grader, "url", None):
+    for path, grader in _graders_with_urls(method.reinforcement.grader, "method.reinforcement.grader"):
         try:
             guard_url(grader.url, settings.outbound_allowlist, strict_resolution=False)
         except BlockedURL as exc:
-            raise bad_request(f"Grader url is not allowed: {exc}.", param="method.reinforcement.grader.url",
+            raise bad_request(f"Grader '{grader.name}' url is not allowed: {exc}.", param=f"{path}.url",
                               code="url_not_allowed") from exc
     return {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
 

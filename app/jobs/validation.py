@@ -87,6 +87,14 @@ def _schema_problem(parameters_json: str) -> str | None:
     return None
 
 
+def parameters_schema_problem(parameters: Any) -> str | None:
+    """Why `parameters` is not a usable tool-arguments schema, or None."""
+    if not isinstance(parameters, dict) or parameters.get("type") != "object":
+        return "must be a JSON schema of type 'object'"
+    problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+    return f"is not a valid JSON schema: {problem}" if problem else None
+
+
 def _check_tools(tools: Any, declared: set[str]) -> None:
     if not isinstance(tools, list):
         raise RowProblem("invalid_tools", "'tools' must be a list")
@@ -108,12 +116,9 @@ def _check_tools(tools: Any, declared: set[str]) -> None:
                 f"tools[{i}] names '{name}', which the job does not declare in method.reinforcement.tools (declared: {known})",
             )
         parameters = function.get("parameters")
-        if parameters is not None:
-            if not isinstance(parameters, dict) or parameters.get("type") != "object":
-                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters must be a JSON schema of type 'object'")
-            problem = _schema_problem(json.dumps(parameters, sort_keys=True))
-            if problem:
-                raise RowProblem("invalid_tools", f"tools[{i}].function.parameters is not a valid JSON schema: {problem}")
+        problem = parameters_schema_problem(parameters) if parameters is not None else None
+        if problem:
+            raise RowProblem("invalid_tools", f"tools[{i}].function.parameters {problem}")
 
 
 def check_row(row: Any, declared_tools: set[str]) -> None:
