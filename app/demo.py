@@ -39,7 +39,7 @@ GRADER = {"type": "multi", "name": "answer", "calculate_output": "max(exact, men
     "exact": {"type": "string_check", "name": "exact", "operation": "eq",
               "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"},
     "mentions": {"type": "string_check", "name": "mentions", "operation": "ilike",
-                 "input": "{{sample.output_text}}", "reference": "%{{item.reference_answer}}%"}}}
+                 "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}}}
 
 
 def _method(**hyperparameters: Any) -> dict[str, Any]:

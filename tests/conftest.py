@@ -192,15 +192,22 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(settings: Settings) -> Iterator[str]:
-    """The real app under uvicorn on 127.0.0.1, in a thread."""
+def serve_app(app: Any, **config: Any) -> Iterator[int]:
+    """Any ASGI app under uvicorn on 127.0.0.1, in a thread; yields its port."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, timeout=20)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield port
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def live_server(settings: Settings) -> Iterator[str]:
+    """The real app under uvicorn on 127.0.0.1, in a thread."""
+    with serve_app(create_app(settings)) as port:
+        yield f"http://127.0.0.1:{port}"

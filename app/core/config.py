@@ -58,6 +58,10 @@ class Settings(BaseSettings):
         SecretStr(DEV_WORKER_TOKEN),
         description="Shared secret between the API and its workers (internal API). Must be changed in production.",
     )
+    model_cache_dir: Path | None = Field(
+        None,
+        description="Where converted models (SmolLM2's GGUF as safetensors, the tiny test model) are cached; default `~/.cache/agent-rft/models`. Read by workers/rl/models.py.",
+    )
     judge_base_url: str | None = Field(
         None,
         description="OpenAI-compatible chat-completions base URL (e.g. `http://127.0.0.1:9000/v1`) used by `score_model` and `label_model` graders.",

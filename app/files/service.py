@@ -12,7 +12,7 @@ from app.core.errors import APIError, conflict, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage, page
 from app.files.models import StoredFile
-from app.files.schemas import FileDeleted, FileObject
+from app.files.schemas import FileObject
 from app.files.storage import Storage, StoredBlob, TooLarge
 from app.idempotency import service as idempotency
 

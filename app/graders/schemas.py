@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from app.core.schema_tags import register_union_tags
 from app.core.urls import check_http_url
+from app.graders.core import GraderError
+from app.graders.templating import check_template
 
 
 class _Grader(BaseModel):
@@ -20,11 +22,23 @@ class _Grader(BaseModel):
     name: str = Field(min_length=1, max_length=256)
 
 
+def _valid_template(template: str | None) -> str | None:
+    """Creation-time check of a `{{ ... }}` template, so a typo fails the job request, not every rollout."""
+    if template is not None:
+        try:
+            check_template(template)
+        except GraderError as error:  # check_template reports unparseable holes as a GraderError
+            raise ValueError(error.message) from None
+    return template
+
+
 class StringCheckGrader(_Grader):
     type: Literal["string_check"]
     input: str
     reference: str
     operation: Literal["eq", "ne", "like", "ilike"]
+
+    _templates = field_validator("input", "reference")(_valid_template)
 
 
 SIMILARITY_METRICS = (
@@ -42,6 +56,25 @@ class TextSimilarityGrader(_Grader):
         "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l",
     ]
     pass_threshold: float | None = None
+
+    _templates = field_validator("input", "reference")(_valid_template)
+
+
+class NumericMatchGrader(_Grader):
+    """This service's extension: the number in the answer equals the reference within a tolerance."""
+
+    type: Literal["numeric_match"]
+    input: str = "{{sample.output_text}}"
+    reference: str
+    # The reference's unit when the item stores it apart: "", thousand, million, billion, trillion, percent.
+    scale: str | None = None
+    rel_tol: float = Field(0.01, ge=0, le=1)
+    abs_tol: float = Field(1e-9, ge=0)
+    # Which number of the answer counts when it holds several: the first, the last, or the only one.
+    pick: Literal["first", "last", "only"] = "last"
+    pass_threshold: float | None = None
+
+    _templates = field_validator("input", "reference", "scale")(_valid_template)
 
 
 class _Message(BaseModel):
@@ -113,29 +146,14 @@ class EndpointGrader(_Grader):
         return check_http_url(url)
 
 
-_FORMULA_FUNCS = {"min", "max", "abs", "floor", "ceil", "exp", "sqrt", "log"}
-_FORMULA_NODES = (
-    ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load, ast.Constant,
-    ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.BitXor, ast.USub, ast.UAdd,
-)
-
-
 def check_formula(formula: str, names: set[str]) -> None:
-    """Shape check only (parse tree walked, never evaluated); `^` means power."""
+    """Parse `calculate_output` with the multi grader's own parser (never evaluated here)."""
+    from app.graders.formula import FormulaError, parse_formula
+
     try:
-        tree = ast.parse(formula.replace("^", "**"), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"calculate_output does not parse: {formula!r}") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, _FORMULA_NODES):
-            raise ValueError(f"calculate_output may not contain {type(node).__name__}")
-        if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
-            raise ValueError("calculate_output may only contain numbers")
-        if isinstance(node, ast.Call):
-            if not isinstance(node.func, ast.Name) or node.func.id not in _FORMULA_FUNCS or node.keywords:
-                raise ValueError(f"calculate_output may only call {sorted(_FORMULA_FUNCS)}")
-        elif isinstance(node, ast.Name) and node.id not in names and node.id not in _FORMULA_FUNCS:
-            raise ValueError(f"calculate_output names '{node.id}', which is not one of the graders {sorted(names)}")
+        parse_formula(formula, names)
+    except FormulaError as exc:
+        raise ValueError(f"calculate_output: {exc}") from None
 
 
 class MultiGrader(_Grader):
@@ -152,11 +170,11 @@ class MultiGrader(_Grader):
 
 Grader = Annotated[
     Union[
-        StringCheckGrader, TextSimilarityGrader, ScoreModelGrader, LabelModelGrader,
+        StringCheckGrader, TextSimilarityGrader, NumericMatchGrader, ScoreModelGrader, LabelModelGrader,
         PythonGrader, MultiGrader, EndpointGrader,
     ],
     Field(discriminator="type"),
 ]
 MultiGrader.model_rebuild()
-GRADER_TYPES = ("string_check", "text_similarity", "score_model", "label_model", "python", "multi", "endpoint")
+GRADER_TYPES = ("string_check", "text_similarity", "numeric_match", "score_model", "label_model", "python", "multi", "endpoint")
 register_union_tags(*GRADER_TYPES)

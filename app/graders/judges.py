@@ -1,0 +1,267 @@
+"""Model judges for `score_model` / `label_model`, and the outbound HTTP that graders share.
+
+A judge is either an OpenAI-compatible chat-completions endpoint (AGENT_RFT_JUDGE_BASE_URL)
+or a local transformers model (AGENT_RFT_JUDGE_LOCAL_MODEL). Both answer a list of chat
+messages with a `JudgeReply`; failures to get an answer raise GraderError with
+`model_grader_server_error`.
+
+The outbound half (`post_json`, `http_client`) is also what the `endpoint` grader uses:
+one SSRF-guarded, pooled httpx client per context and event loop, and retries with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from app.core.urls import BlockedURL, guard_url, guarded_client
+from app.graders.core import GraderContext, GraderError
+
+# Transient answers worth another try; every other 4xx is the caller's mistake and final.
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(505, 600))
+RETRY_BACKOFF_S = 0.5  # first backoff; doubled per retry, with jitter
+EXCERPT_CHARS = 300
+NO_JUDGE_MESSAGE = (
+    "no judge model is configured for score_model/label_model graders: set AGENT_RFT_JUDGE_BASE_URL "
+    "(an OpenAI-compatible chat-completions endpoint) or AGENT_RFT_JUDGE_LOCAL_MODEL (a local model)"
+)
+LOCAL_DEFAULT_MAX_TOKENS = 256
+
+
+# --- outbound HTTP shared by graders -------------------------------------------------------
+
+
+class Unresponsive(Exception):
+    """No usable answer after every attempt (5xx, 408/429, timeouts, connection errors)."""
+
+
+def excerpt(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + "…"
+
+
+def loop_state(ctx: GraderContext) -> dict[str, Any]:
+    """State bound to the running event loop (httpx clients and rate limiters cannot be
+    shared across loops), kept in ctx.shared so that it lives as long as the context."""
+    per_loop = ctx.shared.setdefault("graders.per_loop", weakref.WeakKeyDictionary())
+    return per_loop.setdefault(asyncio.get_running_loop(), {})
+
+
+def http_client(ctx: GraderContext) -> httpx.AsyncClient:
+    """ctx.http_client when the deployment gave one, else one pooled guarded client per loop."""
+    if ctx.http_client is not None:
+        return ctx.http_client
+    state = loop_state(ctx)
+    if "http_client" not in state:
+        state["http_client"] = guarded_client(
+            ctx.outbound_allowlist, timeout=ctx.request_timeout_s,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+    return state["http_client"]
+
+
+async def close_http_client(ctx: GraderContext) -> None:
+    """Close the client this loop's gradings opened (not a ctx.http_client the caller owns)."""
+    client = loop_state(ctx).pop("http_client", None)
+    if client is not None:
+        await client.aclose()
+
+
+async def _check_url(url: str, ctx: GraderContext) -> None:
+    # A client the deployment supplied may not carry the guard; ours checks each request itself.
+    if ctx.http_client is not None:
+        await asyncio.to_thread(guard_url, url, ctx.outbound_allowlist)
+
+
+async def _post_once(client: httpx.AsyncClient, url: str, body: Any, headers: dict[str, str], timeout: float) -> httpx.Response:
+    try:
+        response = await client.post(url, json=body, headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        raise Unresponsive(f"no answer from {url} within {timeout:g} s") from None
+    except httpx.TransportError as exc:
+        raise Unresponsive(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
+    if response.status_code in RETRYABLE_STATUS:
+        raise Unresponsive(f"{url} answered {response.status_code}: {excerpt(response.text)}")
+    return response
+
+
+async def post_json(
+    url: str, body: Any, ctx: GraderContext, *, headers: dict[str, str] | None = None,
+    attempts: int, limiter: Any = None,
+) -> httpx.Response:
+    """POST JSON with retries on transient failures; returns the first non-transient response.
+
+    Raises Unresponsive once `attempts` tries failed, BlockedURL when the SSRF guard refuses
+    the URL. `limiter` (an async context manager) is entered before every attempt.
+    """
+    await _check_url(url, ctx)
+    client = http_client(ctx)
+    for attempt in range(attempts):
+        try:
+            if limiter is not None:
+                async with limiter:
+                    return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+            return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+        except Unresponsive as exc:
+            if attempt == attempts - 1:
+                raise Unresponsive(f"{exc} (after {attempts} attempts)") from None
+            delay = RETRY_BACKOFF_S * 2**attempt
+            await asyncio.sleep(delay / 2 + random.uniform(0, delay / 2))  # equal jitter
+    raise AssertionError("unreachable")
+
+
+# --- judges ----------------------------------------------------------------------------------
+
+
+@dataclass
+class JudgeReply:
+    content: str
+    model: str
+    finish_reason: str | None = None
+    refusal: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+async def ask_judge(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext) -> JudgeReply:
+    """One chat completion from the configured judge (remote endpoint first, else local model)."""
+    if ctx.judge_base_url:
+        return await _ask_remote(model, messages, sampling, ctx)
+    if ctx.judge_local_model:
+        return await _ask_local(messages, sampling, ctx)
+    raise GraderError("model_grader_server_error", NO_JUDGE_MESSAGE)
+
+
+async def _ask_remote(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext) -> JudgeReply:
+    url = ctx.judge_base_url.rstrip("/") + "/chat/completions"
+    headers = {"Authorization": f"Bearer {ctx.judge_api_key}"} if ctx.judge_api_key else {}
+    body = {**sampling, "model": model, "messages": messages}
+    try:
+        response = await post_json(url, body, ctx, headers=headers, attempts=3)
+    except Unresponsive as exc:
+        raise GraderError("model_grader_server_error", f"judge model unavailable: {exc}") from None
+    except BlockedURL as exc:
+        raise GraderError("model_grader_server_error", f"judge URL refused by the SSRF guard: {exc}") from None
+    if response.status_code != 200:
+        raise GraderError(
+            "model_grader_server_error", f"judge answered {response.status_code}: {excerpt(response.text)}"
+        )
+    return _reply_from_completion(response, model)
+
+
+def _reply_from_completion(response: httpx.Response, requested_model: str) -> JudgeReply:
+    try:
+        completion = response.json()
+        choice = completion["choices"][0]
+        message = choice.get("message") or {}
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise GraderError(
+            "model_grader_server_error", f"judge answer is not a chat completion: {excerpt(response.text)}"
+        ) from None
+    usage = completion.get("usage") or {}
+    return JudgeReply(
+        content=_message_text(message.get("content")),
+        model=completion.get("model") or requested_model,
+        finish_reason=choice.get("finish_reason"),
+        refusal=message.get("refusal") or None,
+        usage={k: int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+               if isinstance(usage.get(k), (int, float))},
+    )
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, list):  # some servers answer with content parts
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+# --- local judge -----------------------------------------------------------------------------
+
+
+@dataclass
+class _LocalJudge:
+    name: str
+    model: Any
+    tokenizer: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one generation at a time
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def _load_local_judge(ctx: GraderContext) -> _LocalJudge:
+    """Load once per context (it takes seconds to minutes); concurrent graders wait for it."""
+    with _LOAD_LOCK:
+        judge = ctx.shared.get("graders.local_judge")
+        if judge is None or judge.name != ctx.judge_local_model:
+            from workers.rl.models import load_model  # torch only where a local judge is used
+
+            model, tokenizer = load_model(ctx.judge_local_model)
+            model.eval()
+            judge = ctx.shared["graders.local_judge"] = _LocalJudge(ctx.judge_local_model, model, tokenizer)
+        return judge
+
+
+def _text_only(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    flat = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise GraderError("model_grader_server_error", "the local judge model reads text only (no images or audio)")
+            content = "\n".join(part["text"] for part in content)
+        flat.append({"role": message["role"], "content": content})
+    return flat
+
+
+def _max_new_tokens(sampling: dict[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        if isinstance(sampling.get(key), int) and sampling[key] > 0:
+            return sampling[key]
+    return LOCAL_DEFAULT_MAX_TOKENS
+
+
+def _generate_locally(judge: _LocalJudge, messages: list[dict[str, str]], max_new_tokens: int) -> JudgeReply:
+    import torch
+
+    tokenizer = judge.tokenizer
+    with judge.lock, torch.inference_mode():
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        ).to(judge.model.device)
+        output = judge.model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    prompt_tokens = inputs["input_ids"].shape[1]
+    generated = output[0, prompt_tokens:]
+    ended = tokenizer.eos_token_id is not None and len(generated) > 0 and int(generated[-1]) == tokenizer.eos_token_id
+    completion_tokens = len(generated)
+    return JudgeReply(
+        content=tokenizer.decode(generated, skip_special_tokens=True),
+        model=judge.name,
+        finish_reason="stop" if ended or completion_tokens < max_new_tokens else "length",
+        usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "total_tokens": prompt_tokens + completion_tokens},
+    )
+
+
+async def _ask_local(messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext) -> JudgeReply:
+    """Greedy generation with the model's chat template, off the event loop."""
+    text_messages = _text_only(messages)
+    try:
+        # Queue here rather than in threads, so that waiting gradings hold no executor thread.
+        async with loop_state(ctx).setdefault("local_judge_queue", asyncio.Lock()):
+            judge = await asyncio.to_thread(_load_local_judge, ctx)
+            return await asyncio.to_thread(_generate_locally, judge, text_messages, _max_new_tokens(sampling))
+    except GraderError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a missing or broken model must flag, not crash the job
+        raise GraderError(
+            "model_grader_server_error", f"local judge '{ctx.judge_local_model}' failed: {type(exc).__name__}: {exc}"
+        ) from None

@@ -1,0 +1,73 @@
+"""`/v1/fine_tuning/alpha/graders/run` and `/validate`: request bodies and what they do.
+
+No web imports: the router turns HTTP into these calls."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from app.core.config import Settings
+from app.core.schema_tags import register_union_tags
+from app.graders.core import GraderContext, Sample, grade
+from app.graders.schemas import Grader
+
+
+class ModelSampleObject(BaseModel):
+    """A structured model sample (this service's extension; OpenAI's API takes a string)."""
+
+    model_config = ConfigDict(extra="forbid")
+    output_text: str = ""
+    output_json: Any = None
+    output_tools: list[dict[str, Any]] = Field(default_factory=list)
+    choices: list[dict[str, Any]] = Field(default_factory=list)
+    trajectory: list[dict[str, Any]] = Field(default_factory=list)
+    usage: dict[str, Any] = Field(default_factory=dict)
+
+
+# Tagged so that an error inside the object names `model_sample.<field>`, not a union member.
+_TEXT, _OBJECT = "model_sample_text", "model_sample_object"
+register_union_tags(_TEXT, _OBJECT)
+ModelSample = Annotated[
+    Annotated[str, Tag(_TEXT)] | Annotated[ModelSampleObject, Tag(_OBJECT)],
+    Discriminator(lambda value: _TEXT if isinstance(value, str) else _OBJECT),
+]
+
+
+class GraderRunRequest(BaseModel):
+    grader: Grader
+    model_sample: ModelSample = Field(
+        description="The model's output: its text, or an object with output_text, output_json, output_tools, "
+        "choices, trajectory and usage."
+    )
+    item: dict[str, Any] | None = Field(None, description="The dataset row the grader's `{{item.*}}` templates read.")
+
+
+class GraderValidateRequest(BaseModel):
+    grader: Grader
+
+
+def grader_context(settings: Settings) -> GraderContext:
+    """The deployment's grader services, from its settings."""
+    return GraderContext(
+        outbound_allowlist=list(settings.outbound_allowlist),
+        judge_base_url=settings.judge_base_url,
+        judge_api_key=settings.judge_api_key.get_secret_value() if settings.judge_api_key else None,
+        judge_local_model=settings.judge_local_model,
+        request_timeout_s=settings.grader_timeout_s,
+        python_timeout_s=settings.python_grader_timeout_s,
+        python_memory_mb=settings.python_grader_memory_mb,
+    )
+
+
+async def run_grader(body: GraderRunRequest, ctx: GraderContext) -> dict[str, Any]:
+    """Grade one sample; a grading failure is a flagged result (200), not an error response."""
+    model_sample = body.model_sample if isinstance(body.model_sample, str) else body.model_sample.model_dump()
+    result = await grade(body.grader, Sample.from_model_sample(model_sample), body.item or {}, ctx)
+    return result.to_run_response()
+
+
+def validate_grader(body: GraderValidateRequest) -> dict[str, Any]:
+    """The grader as validated (Pydantic already refused an invalid one with the field named)."""
+    return {"grader": body.grader.model_dump(mode="json", exclude_none=True)}
