@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -129,6 +130,35 @@ def worker(
     queue_names = queues or get_settings().training_queue
     celery_app.worker_main(["worker", "-Q", queue_names, "-c", str(concurrency), "-l", loglevel, "-P", "solo"
                             if concurrency == 1 else "prefork"])
+
+
+@cli.command()
+def rollout(
+    model: Annotated[str, typer.Option(help="Model name (SmolLM2-135M-Instruct, tiny-smollm2), directory or HF id.")],
+    data: Annotated[Path, typer.Option(help="JSONL rows: messages, optional tools schemas, item fields.")],
+    tools: Annotated[Path, typer.Option(help="JSON list of {name, server_url, headers?, parameters?}.")],
+    n: Annotated[int, typer.Option(min=1, help="Rollouts per row.")] = 4,
+    max_episode_steps: Annotated[int, typer.Option(min=1, help="Tool-call budget per rollout.")] = 10,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first LIMIT rows.")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 256,
+    max_tokens_per_rollout: Annotated[int, typer.Option(min=1)] = 2048,
+    seed: Annotated[int, typer.Option(help="Base seed of the rollouts.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write records and summary here.")] = None,
+) -> None:
+    """Run rollouts of MODEL against real tools and print transcripts and a summary table."""
+    from workers.rl.models import ModelError
+    from workers.rl.rollout import EngineConfig
+    from workers.rl.rollout_command import RolloutInputError, rollout_command
+
+    config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
+                          max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature, top_p=top_p)
+    try:
+        rollout_command(model=model, data=data, tools_path=tools, n=n, limit=limit, config=config,
+                        allowlist=get_settings().outbound_allowlist, seed=seed, json_out=json_out, echo=typer.echo)
+    except (RolloutInputError, ModelError, OSError) as exc:
+        _fail(str(exc))
 
 
 @cli.command()

@@ -1,0 +1,179 @@
+"""The rollout engine against a real HTTP tool server, with a scripted policy (the engine is
+what is under test) and with real models for the token-level checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.rl.policies import ScriptedPolicy
+from tests.rl.tool_server import tool_server
+from workers.rl.models import load_model
+from workers.rl.prompting import ChatFormatter
+from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.rl.toolcalls import ToolSchema
+from workers.rl.tools_client import ToolClient, ToolClientOptions
+
+TOOLS = [
+    ToolSchema("search", "Search the reports", {"type": "object", "properties": {"query": {"type": "string"}},
+                                                "required": ["query"]}),
+    ToolSchema("cat", "Read a document", {"type": "object", "properties": {"path": {"type": "string"}},
+                                          "required": ["path"]}),
+    ToolSchema("broken", "Always fails", {"type": "object", "properties": {}}),
+]
+
+
+def call(name: str, **arguments) -> str:  # noqa: ANN003
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # noqa: ANN201
+    return load_model("tiny-smollm2").tokenizer
+
+
+def spec(i: int, script: str, item: dict | None = None) -> RolloutSpec:
+    return RolloutSpec(sample_index=i, messages=[{"role": "user", "content": f"Question {i}. SCRIPT={script}"}],
+                       tools=TOOLS, item=item or {"id": i}, seed=i)
+
+
+def run(tokenizer, scripts, specs, url, *, config=None, latency_s=0.0, headers=None):  # noqa: ANN001, ANN201
+    policy = ScriptedPolicy(tokenizer, scripts)
+    endpoints = [{"name": t.name, "server_url": url, "headers": headers or {}} for t in TOOLS]
+
+    async def go():  # noqa: ANN202
+        async with ToolClient(endpoints, allowlist=["127.0.0.1"],
+                              options=ToolClientOptions(backoff_base_s=0.01, backoff_max_s=0.02)) as client:
+            engine = RolloutEngine(policy, tokenizer, ChatFormatter(tokenizer), client, config or EngineConfig())
+            return await engine.run(specs), engine
+
+    return asyncio.run(go())
+
+
+def test_trace_ids_call_ids_item_and_headers(tokenizer):
+    scripts = {"a": [call("search", query="revenue 2023"), call("cat", path="acme/2023/10k"), "The answer is 42."]}
+    with tool_server() as (url, recorder):
+        records, _ = run(tokenizer, scripts, [spec(i, "a", {"id": i, "answer": "42"}) for i in range(4)], url,
+                         headers={"Authorization": "Bearer t0k"})
+    assert [r.finish_reason for r in records] == ["answered"] * 4
+    assert all(r.final_answer == "The answer is 42." for r in records)
+    by_trace: dict[str, list[dict]] = {}
+    for entry in recorder.calls:
+        body = entry["body"]
+        assert body["type"] == "function_call" and body["id"].startswith("fc_") and body["call_id"].startswith("call_")
+        assert isinstance(body["arguments"], str) and entry["headers"]["authorization"] == "Bearer t0k"
+        by_trace.setdefault(body["trace_id"], []).append(body)
+    assert set(by_trace) == {r.trace_id for r in records}  # one trace id per rollout, all distinct
+    for record in records:
+        bodies = by_trace[record.trace_id]
+        assert [b["name"] for b in bodies] == ["search", "cat"]
+        assert all(b["item"] == {"id": record.sample_index, "answer": "42"} for b in bodies)
+        assert [c.call_id for c in record.tool_calls] == [b["call_id"] for b in bodies]
+        assert record.calls_by_tool() == {"search": 1, "cat": 1}
+        assert "search result for" in record.messages[2]["content"]
+    assert len({b["call_id"] for b in (e["body"] for e in recorder.calls)}) == len(recorder.calls)
+
+
+def test_tool_budget_is_enforced_and_announced(tokenizer):
+    scripts = {"greedy": [call("search", query=f"q{i}") for i in range(6)]}
+    with tool_server() as (url, recorder):
+        records, _ = run(tokenizer, scripts, [spec(0, "greedy")], url, config=EngineConfig(max_episode_steps=2))
+    record = records[0]
+    assert record.finish_reason == "tool_budget"
+    assert len(recorder.calls) == 2 and len(record.tool_calls) == 2
+    assert any("used all your tool calls" in m["content"] for m in record.messages if m["role"] == "user")
+
+
+def test_client_errors_reach_the_model_and_server_errors_end_the_rollout(tokenizer):
+    scripts = {"recover": [call("search", query="bad"), call("search", query="good query"), "Done."],
+               "fail": [call("broken"), "never reached"]}
+    with tool_server() as (url, recorder):
+        records, _ = run(tokenizer, scripts, [spec(0, "recover"), spec(1, "fail")], url)
+    recover, fail = records
+    assert recover.finish_reason == "answered"
+    assert recover.tool_calls[0].status == "client_error" and recover.tool_calls[0].status_code == 400
+    assert "query too short" in recover.messages[2]["content"]
+    assert fail.finish_reason == "tool_failure" and fail.tool_calls[0].status == "failed"
+    assert sum(1 for e in recorder.calls if e["body"]["name"] == "broken") == 4  # 1 + 3 retries
+
+
+def test_parse_errors_are_fed_back_then_end_the_rollout(tokenizer):
+    scripts = {"fix": ['<tool_call>{"name": "search", "arguments": {"query": 5}}</tool_call>',
+                       call("search", query="revenue"), "Fine."],
+               "junk": ["<tool_call>{oops</tool_call>"] * 5}
+    with tool_server() as (url, recorder):
+        records, _ = run(tokenizer, scripts, [spec(0, "fix"), spec(1, "junk")], url)
+    fixed, junk = records
+    assert fixed.finish_reason == "answered" and fixed.parse_errors == 1 and len(fixed.tool_calls) == 1
+    assert "query" in fixed.messages[2]["content"]  # the feedback names the bad argument
+    assert junk.finish_reason == "parse_error" and junk.parse_errors == 3 and junk.tool_calls == []
+
+
+def test_token_cap_and_context_overflow(tokenizer):
+    long_answer = "word " * 400
+    scripts = {"long": [long_answer], "tools": [call("search", query="x" * 50)] * 20}
+    with tool_server() as (url, _):
+        capped, _ = run(tokenizer, scripts, [spec(0, "long")], url,
+                        config=EngineConfig(max_tokens_per_turn=64, max_tokens_per_rollout=100))
+        capped_total, _ = run(tokenizer, {"long": [call("search", query="y" * 30)] * 20}, [spec(2, "long")], url,
+                              config=EngineConfig(max_tokens_per_rollout=100, max_episode_steps=50))
+        overflow, _ = run(tokenizer, scripts, [spec(1, "tools")], url,
+                          config=EngineConfig(max_context_tokens=700, max_episode_steps=50))
+    assert capped[0].finish_reason == "token_cap" and capped[0].completion_tokens == 64  # the per-turn cap
+    assert capped_total[0].finish_reason == "token_cap" and capped_total[0].completion_tokens == 100
+    assert overflow[0].finish_reason == "truncated" and len(overflow[0].token_ids) <= 700
+
+
+def test_loss_mask_marks_exactly_the_sampled_tokens(tokenizer):
+    turns = [call("search", query="acme revenue"), call("cat", path="acme/2023"), "Revenue was 412.5."]
+    with tool_server() as (url, _):
+        records, _ = run(tokenizer, {"m": turns}, [spec(0, "m")], url)
+    record = records[0]
+    assert len(record.token_ids) == len(record.loss_mask) == len(record.logprobs)
+    sampled = [t for t, m in zip(record.token_ids, record.loss_mask) if m]
+    assert sampled.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1  # only the final answer's own end
+    text = tokenizer.decode(sampled)
+    assert text == "".join(turns) + "<|im_end|>"
+    context = tokenizer.decode([t for t, m in zip(record.token_ids, record.loss_mask) if not m])
+    assert "cat result for" in context and "search result for" in context and "SCRIPT=m" in context
+    # Spans: each assistant turn is one run of 1s, everything else 0s.
+    runs = sum(1 for i, m in enumerate(record.loss_mask) if m and (i == 0 or not record.loss_mask[i - 1]))
+    assert runs == 3
+    assert record.completion_tokens == len(sampled) and record.tool_output_tokens > 0
+    # Token-in/token-out: the sequence decodes to the rendered conversation.
+    rendered = ChatFormatter(tokenizer).render(record.messages, TOOLS, add_generation_prompt=False)
+    assert tokenizer.decode(record.token_ids) == rendered
+
+
+def test_generation_is_batched_while_tools_run_concurrently(tokenizer):
+    scripts = {"two": [call("search", query="alpha"), call("cat", path="b"), "ok"]}
+    n = 12
+    with tool_server(latency_s=0.3) as (url, recorder):
+        records, engine = run(tokenizer, scripts, [spec(i, "two") for i in range(n)], url)
+    assert all(r.finish_reason == "answered" for r in records)
+    assert len(recorder.calls) == 2 * n
+    assert recorder.max_in_flight() == n  # every rollout's call was in flight at once
+    assert max(engine.batch_sizes) == n  # and every rollout's turn shared one generation batch
+
+
+def test_sampled_logprobs_match_a_forward_pass_on_a_real_model():
+    from workers.rl.generation import sequence_logprobs
+
+    loaded = load_model("tiny-smollm2")
+    with tool_server() as (url, _):
+        async def go():  # noqa: ANN202
+            async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+                engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client,
+                                       EngineConfig(max_tokens_per_turn=24, max_tokens_per_rollout=24))
+                specs = [RolloutSpec(i, [{"role": "user", "content": "hi " * (i * 3 + 1)}], TOOLS[:1], {}, seed=i)
+                         for i in range(3)]
+                return await engine.run(specs)
+
+        records = asyncio.run(go())
+    for record in records:
+        recomputed = sequence_logprobs(loaded.model, record.token_ids)
+        for i, (mask, sampled) in enumerate(zip(record.loss_mask, record.logprobs)):
+            if mask:
+                assert abs(recomputed[i] - sampled) < 1e-3, (i, recomputed[i], sampled)

@@ -1,0 +1,119 @@
+"""Batched sampling with a KV cache, left padding, per-rollout seeds, and the log-prob of every
+sampled token (token-in/token-out: the ids and log-probs are kept exactly as sampled).
+
+Log-probs are those of the policy at the sampling temperature over the full vocabulary
+(top-p only narrows which token is drawn), so the trainer can recompute them with one
+forward pass and the same temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationRequest:
+    context_ids: list[int]
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()  # e.g. "</tool_call>": checked on the decoded tail
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "length"  # "stop" (an end-of-turn token was sampled) or "length"
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[int, float]:
+    """One token from one row of logits, and its log-prob under the tempered policy."""
+    if temperature <= 0:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        token = int(torch.argmax(logprobs))
+        return token, float(logprobs[token])
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = logprobs.exp()
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        filtered = torch.zeros_like(probs)
+        filtered[order[keep]] = sorted_probs[keep]
+        probs = filtered
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+STOP_STRING_WINDOW = 8  # tokens decoded to look for a stop string
+
+
+def _ends_with_stop_string(ids: list[int], stop_strings: tuple[str, ...], decode: Callable[[list[int]], str] | None) -> bool:
+    if not stop_strings or decode is None:
+        return False
+    tail = decode(ids[-STOP_STRING_WINDOW:])
+    return any(stop in tail for stop in stop_strings)
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: torch.nn.Module, requests: list[GenerationRequest], *, pad_token_id: int, temperature: float = 1.0,
+    top_p: float = 1.0, decode: Callable[[list[int]], str] | None = None,
+) -> list[GenerationOutput]:
+    """Generate for every request at once: left-padded contexts, one forward per new token."""
+    device = next(model.parameters()).device
+    width = max(len(r.context_ids) for r in requests)
+    ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for row, request in enumerate(requests):
+        ids[row, width - len(request.context_ids):] = torch.tensor(request.context_ids)
+        mask[row, width - len(request.context_ids):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    generators = [torch.Generator().manual_seed(r.seed) for r in requests]
+    outputs = [GenerationOutput() for _ in requests]
+    active = [True] * len(requests)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    past = None
+    step_input, step_positions = ids, positions
+    for _ in range(max(r.max_new_tokens for r in requests)):
+        result = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions,
+                       cache=past, use_cache=True)
+        past = result.cache
+        last = result.logits[:, -1, :].cpu()
+        next_tokens = []
+        for row, request in enumerate(requests):
+            if not active[row]:
+                next_tokens.append(pad_token_id)
+                continue
+            token, logprob = _sample(last[row], temperature, top_p, generators[row])
+            out = outputs[row]
+            out.token_ids.append(token)
+            out.logprobs.append(logprob)
+            if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, decode):
+                out.finish, active[row] = "stop", False
+            elif len(out.token_ids) >= request.max_new_tokens:
+                active[row] = False
+            next_tokens.append(token)
+        if not any(active):
+            break
+        step_input = torch.tensor(next_tokens, device=device).unsqueeze(-1)
+        # Finished rows keep a column (the cache is rectangular) but attend to nothing new.
+        new_mask = torch.tensor([[1 if a else 0] for a in active], device=device, dtype=torch.long)
+        mask = torch.cat([mask, new_mask], dim=-1)
+        step_positions = step_positions[:, -1:] + 1
+    return outputs
+
+
+@torch.inference_mode()
+def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], *, temperature: float = 1.0) -> list[float]:
+    """Log-prob of each token given the ones before it (index 0 gets 0.0): the trainer's view."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return [0.0] + logprobs.cpu().tolist()

@@ -1,0 +1,296 @@
+"""The rollout engine: many multi-turn episodes at once, each calling the customer's tools
+over HTTP, generation batched across every rollout that is waiting for the model.
+
+Token-in/token-out: a rollout's token ids are the prompt's, then exactly what the model
+sampled, then the rendered tool results; the loss mask is 1 only on sampled tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workers.rl.generation import GenerationOutput, GenerationRequest, generate_batch
+from workers.rl.prompting import ChatFormatter, assistant_message, feedback_message, tool_result_message
+from workers.rl.toolcalls import ToolSchema
+
+FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error")
+
+
+@dataclass
+class EngineConfig:
+    max_episode_steps: int = 10  # tool calls per rollout
+    max_tokens_per_turn: int = 256
+    max_tokens_per_rollout: int = 2048  # sampled tokens, all turns together
+    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_batch_size: int = 32
+    max_consecutive_parse_errors: int = 3  # then the rollout ends as parse_error
+
+
+@dataclass
+class RolloutSpec:
+    sample_index: int
+    messages: list[dict[str, Any]]
+    tools: list[ToolSchema]
+    item: dict[str, Any]
+    seed: int
+
+
+@dataclass
+class ToolCallRecord:
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+    status_code: int | None
+    latency_s: float
+    bytes: int
+    error: str | None
+    truncated: bool = False
+
+
+@dataclass
+class RolloutRecord:
+    trace_id: str
+    sample_index: int
+    messages: list[dict[str, Any]]
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tool_output_tokens: int = 0
+    turns: int = 0
+    parse_errors: int = 0
+    wall_time_s: float = 0.0
+    finish_reason: str = "answered"
+    final_answer: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+
+    @property
+    def tool_failure(self) -> bool:
+        return self.finish_reason == "tool_failure"
+
+    def calls_by_tool(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for call in self.tool_calls:
+            counts[call.name] = counts.get(call.name, 0) + 1
+        return counts
+
+    def grader_sample(self) -> dict[str, Any]:
+        """What graders see (`{{sample.*}}`, endpoint graders' `sample`)."""
+        output_tools = [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.tool_calls
+        ]
+        return {
+            "output_text": self.final_answer,
+            "output_tools": output_tools,
+            "choices": [{"index": 0, "finish_reason": self.finish_reason,
+                         "message": {"role": "assistant", "content": self.final_answer}}],
+            "trajectory": self.messages,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "tool_output_tokens": self.tool_output_tokens},
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The record without the token arrays, for storage and display."""
+        data = asdict(self)
+        for key in ("token_ids", "logprobs", "loss_mask"):
+            data.pop(key)
+        return data
+
+
+class _Batcher:
+    """Collects generation requests from every waiting rollout and runs them as one batch."""
+
+    def __init__(self, model: Any, *, pad_token_id: int, config: EngineConfig, decode: Any) -> None:
+        self.model, self.pad_token_id, self.config, self.decode = model, pad_token_id, config, decode
+        self.pending: list[tuple[GenerationRequest, asyncio.Future[GenerationOutput]]] = []
+        self.wake = asyncio.Event()
+        self.batches: list[int] = []  # sizes, for reporting
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
+        self.pending.append((request, future))
+        self.wake.set()
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            for _ in range(3):  # let rollouts that just got their tool results join this batch
+                await asyncio.sleep(0)
+            batch, self.pending = self.pending[: self.config.max_batch_size], self.pending[self.config.max_batch_size:]
+            if not batch:
+                continue
+            self.batches.append(len(batch))
+            try:
+                outputs = await asyncio.to_thread(
+                    generate_batch, self.model, [r for r, _ in batch], pad_token_id=self.pad_token_id,
+                    temperature=self.config.temperature, top_p=self.config.top_p, decode=self.decode,
+                )
+            except Exception as exc:  # noqa: BLE001 - fail the waiting rollouts, not the loop
+                for _, future in batch:
+                    future.set_exception(exc)
+            else:
+                for (_, future), output in zip(batch, outputs):
+                    future.set_result(output)
+            if self.pending:
+                self.wake.set()
+
+
+class RolloutEngine:
+    def __init__(self, model: Any, tokenizer: Any, formatter: ChatFormatter, tool_client: Any,
+                 config: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer, self.formatter, self.tools = model, tokenizer, formatter, tool_client
+        self.config = config or EngineConfig()
+        self.max_context = self.config.max_context_tokens or getattr(model.config, "max_position_embeddings", 8192)
+        self.stop_token_ids = frozenset(formatter.stop_token_ids())
+        self.stop_strings = tuple(formatter.parser.stop_strings)
+        self.batch_sizes: list[int] = []
+
+    async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        batcher = _Batcher(self.model, pad_token_id=pad, config=self.config, decode=self.formatter.decode)
+        loop_task = asyncio.create_task(batcher.run())
+        try:
+            return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
+        finally:
+            loop_task.cancel()
+            self.batch_sizes = batcher.batches
+
+    async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
+        started = time.perf_counter()
+        record = RolloutRecord(trace_id=f"trace_{uuid.uuid4().hex}", sample_index=spec.sample_index,
+                               messages=list(spec.messages))
+        state = _Episode(self, spec, record, batcher)
+        try:
+            await state.play()
+        finally:
+            record.wall_time_s = time.perf_counter() - started
+        return record
+
+
+class _Episode:
+    """One rollout's turn loop."""
+
+    def __init__(self, engine: RolloutEngine, spec: RolloutSpec, record: RolloutRecord, batcher: _Batcher) -> None:
+        self.engine, self.spec, self.record, self.batcher = engine, spec, record, batcher
+        self.cfg = engine.config
+        self.fmt = engine.formatter
+
+    def _append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.record.token_ids += ids
+        self.record.loss_mask += [1 if sampled else 0] * len(ids)
+        self.record.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def _finish(self, reason: str) -> None:
+        self.record.finish_reason = reason
+
+    async def play(self) -> None:
+        record = self.record
+        self._append(self.fmt.prompt_ids(self.spec.messages, self.spec.tools), sampled=False)
+        record.prompt_tokens = len(record.token_ids)
+        consecutive_parse_errors = 0
+        while True:
+            output = await self._next_turn()
+            if output is None:
+                return
+            text = self.fmt.assistant_text(output.token_ids)
+            record.messages.append(assistant_message(text))
+            record.turns += 1
+            self._append(self.fmt.close_turn_ids(output.token_ids), sampled=False)
+            parsed = self.fmt.parser.parse(text, self.spec.tools, rng=random.Random(self.spec.seed * 1000 + record.turns))
+            record.parse_errors += len(parsed.issues)
+            if output.finish != "stop" and not parsed.calls:
+                # Cut by the per-turn or per-rollout cap before it finished: not a real answer.
+                record.final_answer = parsed.content
+                return self._finish("token_cap")
+            if not parsed.calls and not parsed.issues:
+                record.final_answer = parsed.content
+                return self._finish("answered")
+            consecutive_parse_errors = consecutive_parse_errors + 1 if parsed.issues and not parsed.calls else 0
+            if consecutive_parse_errors >= self.cfg.max_consecutive_parse_errors:
+                return self._finish("parse_error")
+            used = len(record.tool_calls)
+            if parsed.calls and used >= self.cfg.max_episode_steps:
+                record.final_answer = parsed.content
+                return self._finish("tool_budget")
+            calls = parsed.calls[: self.cfg.max_episode_steps - used]
+            results = await asyncio.gather(*(self._call_tool(call) for call in calls))
+            if any(r.status == "failed" for r in results):
+                return self._finish("tool_failure")
+            new_messages = [tool_result_message(call, result.output) for call, result in zip(calls, results)]
+            feedback = self._feedback(parsed, dropped=len(parsed.calls) - len(calls))
+            if feedback:
+                new_messages.append(feedback_message(feedback))
+            if not self._extend_with(record.messages, new_messages):
+                return
+            record.messages += new_messages
+
+    async def _next_turn(self) -> GenerationOutput | None:
+        record = self.record
+        room = self.engine.max_context - len(record.token_ids)
+        budget = self.cfg.max_tokens_per_rollout - record.completion_tokens
+        if budget <= 0:
+            self._finish("token_cap")
+            return None
+        if room <= 0:
+            self._finish("truncated")
+            return None
+        request = GenerationRequest(context_ids=list(record.token_ids),
+                                    max_new_tokens=min(self.cfg.max_tokens_per_turn, budget, room),
+                                    seed=self.spec.seed * 1000 + record.turns,
+                                    stop_token_ids=self.engine.stop_token_ids,
+                                    stop_strings=self.engine.stop_strings)
+        output = await self.batcher.generate(request)
+        self._append(output.token_ids, sampled=True, logprobs=output.logprobs)
+        record.completion_tokens += len(output.token_ids)
+        if output.finish != "stop" and len(record.token_ids) >= self.engine.max_context:
+            self._finish("truncated")
+            return None
+        return output
+
+    def _feedback(self, parsed: Any, *, dropped: int) -> str:
+        parts = []
+        if parsed.issues:
+            parts.append(parsed.error_feedback())
+        used = len(self.record.tool_calls)
+        if dropped:
+            parts.append(f"{dropped} tool call(s) were not run: the budget of {self.cfg.max_episode_steps} tool calls is spent.")
+        if used >= self.cfg.max_episode_steps:
+            parts.append("You have used all your tool calls. Answer now, without calling tools.")
+        return "\n".join(parts)
+
+    async def _call_tool(self, call: Any) -> Any:
+        result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id, name=call.name,
+                                              arguments_json=call.arguments_json, item=self.spec.item)
+        self.record.tool_calls.append(ToolCallRecord(
+            call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=result.status,
+            status_code=result.status_code, latency_s=result.latency_s, bytes=result.bytes, error=result.error,
+            truncated=result.truncated,
+        ))
+        return result
+
+    def _extend_with(self, before: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> bool:
+        """Append the rendered tool results (and the next generation prompt): not trained on."""
+        ids = self.fmt.continuation_ids(before, new_messages, self.spec.tools)
+        if len(self.record.token_ids) + len(ids) >= self.engine.max_context:
+            self._finish("truncated")
+            return False
+        self._append(ids, sampled=False)
+        self.record.tool_output_tokens += len(ids)
+        return True
+
+
+def dumps_record(record: RolloutRecord) -> str:
+    return json.dumps(asdict(record))

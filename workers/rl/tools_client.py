@@ -1,0 +1,302 @@
+"""Calls to the customer's tool servers during rollouts (DESIGN.md §3.2).
+
+`POST {server_url}` with the tool's headers and
+`{"type": "function_call", "id": "fc_…", "call_id", "name", "arguments": "<JSON string>",
+"trace_id", "item"}`; the reply is `{"type": "function_call_output", "call_id", "output"}` (a
+plain-text 200 body is accepted as the output too).
+
+Outcomes, as `ToolResult.status`:
+- `ok`: the output goes to the model (cut to the size cap with a notice saying so).
+- `client_error`: a 4xx; its body goes to the model as the tool's output, so it can recover.
+- `failed`: 5xx, 408/429, connection errors or timeouts on every attempt (1 + `retries`), or a
+  redirect (not followed). The engine drops the rollout from the update and counts a tool failure.
+- `blocked`: the SSRF guard refused the URL (no retries).
+- `unknown_tool`: no tool of that name is configured for the job.
+`call` never raises (except on cancellation): a tool cannot crash a job.
+
+One `ToolClient` per job and event loop: its pooled httpx client, semaphores and rate limiters
+belong to the loop that first uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from aiolimiter import AsyncLimiter
+
+from app.core.ids import new_id
+from app.core.urls import BlockedURL, Resolver, guarded_client
+
+logger = logging.getLogger(__name__)
+
+ToolStatus = Literal["ok", "client_error", "failed", "blocked", "unknown_tool"]
+
+# Transient answers worth another try; every other 4xx is shown to the model.
+RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+ERROR_EXCERPT_CHARS = 300
+
+
+@dataclass(frozen=True)
+class ToolEndpoint:
+    """Where calls to one tool go. `max_concurrency` / `rate_limit` (requests per second)
+    override the client's defaults for this tool."""
+
+    name: str
+    server_url: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    max_concurrency: int | None = None
+    rate_limit: float | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ToolEndpoint | Mapping[str, Any] | Any) -> ToolEndpoint:
+        """From a ToolEndpoint, a dict, or any object with name/server_url/headers (the job's
+        `method.reinforcement.tools` entries)."""
+        if isinstance(spec, ToolEndpoint):
+            return spec
+        get = spec.get if isinstance(spec, Mapping) else lambda key, default=None: getattr(spec, key, default)
+        if not get("name") or not get("server_url"):
+            raise ValueError(f"a tool needs a name and a server_url, got {spec!r}")
+        return cls(
+            name=get("name"), server_url=get("server_url"), headers=dict(get("headers") or {}),
+            max_concurrency=get("max_concurrency"), rate_limit=get("rate_limit"),
+        )
+
+
+@dataclass(frozen=True)
+class ToolClientOptions:
+    max_concurrency: int = 16  # in-flight requests per tool
+    rate_limit: float | None = None  # requests per second per tool; None: unlimited
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0  # longest silence while waiting for / reading the reply
+    attempt_timeout_s: float = 120.0  # whole attempt, so a server trickling bytes cannot hang a rollout
+    retries: int = 3
+    backoff_base_s: float = 0.5  # first backoff; doubled per retry, with jitter
+    backoff_max_s: float = 8.0
+    max_output_bytes: int = 1_048_576
+
+
+@dataclass
+class ToolResult:
+    name: str
+    call_id: str
+    status: ToolStatus
+    output: str  # what the model sees as the tool's output
+    status_code: int | None = None  # HTTP status of the last attempt
+    latency_s: float = 0.0  # wall time of the whole call, retries and waits included
+    bytes: int = 0  # size of the reply body (Content-Length when the server declared one)
+    attempts: int = 0
+    error: str | None = None  # why the call did not succeed, for logs and metrics
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class _Attempt:
+    """The outcome of one HTTP request."""
+
+    status: ToolStatus
+    output: str = ""
+    status_code: int | None = None
+    size: int = 0
+    truncated: bool = False
+    error: str | None = None
+    retryable: bool = False
+
+
+class _Tool:
+    def __init__(self, endpoint: ToolEndpoint, options: ToolClientOptions) -> None:
+        self.endpoint = endpoint
+        self.headers = httpx.Headers(dict(endpoint.headers))
+        self.headers["Content-Type"] = "application/json"
+        # Compressed replies could expand past the size cap before it is checked.
+        self.headers["Accept-Encoding"] = "identity"
+        self.concurrency = endpoint.max_concurrency or options.max_concurrency
+        self.semaphore = asyncio.Semaphore(self.concurrency)
+        rate = endpoint.rate_limit or options.rate_limit
+        # One request every 1/rate seconds, no initial burst: no second ever holds more than `rate`.
+        self.limiter = AsyncLimiter(1, 1 / rate) if rate else None
+
+
+class ToolClient:
+    """Calls a job's tools: pooled connections, retries, size cap, per-tool limits, SSRF guard."""
+
+    def __init__(
+        self,
+        tools: Iterable[ToolEndpoint | Mapping[str, Any] | Any],
+        *,
+        allowlist: Iterable[str] = (),
+        options: ToolClientOptions | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self.options = options or ToolClientOptions()
+        self._tools: dict[str, _Tool] = {}
+        for spec in tools:
+            endpoint = ToolEndpoint.from_spec(spec)
+            if endpoint.name in self._tools:
+                raise ValueError(f"tool '{endpoint.name}' is configured twice")
+            self._tools[endpoint.name] = _Tool(endpoint, self.options)
+        # Enough connections for every tool at its limit: the semaphores, not the pool, decide waits.
+        connections = max(1, sum(tool.concurrency for tool in self._tools.values()))
+        opts = self.options
+        self._http = guarded_client(
+            allowlist,
+            resolver=resolver,
+            timeout=httpx.Timeout(opts.read_timeout_s, connect=opts.connect_timeout_s, pool=opts.connect_timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
+
+    @property
+    def tool_names(self) -> list[str]:
+        return list(self._tools)
+
+    async def __aenter__(self) -> ToolClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict) -> ToolResult:
+        """POST one function call to its tool server and return what the model should see."""
+        started = time.monotonic()
+        tool = self._tools.get(name)
+        if tool is None:
+            available = ", ".join(sorted(self._tools)) or "none"
+            message = f"error: unknown tool '{name}'; available tools: {available}"
+            return ToolResult(name=name, call_id=call_id, status="unknown_tool", output=message, error=message)
+        if not isinstance(arguments_json, str):  # the wire format wants a JSON string, always
+            arguments_json = json.dumps(arguments_json)
+        body = {"type": "function_call", "id": new_id("fc_"), "call_id": call_id, "name": name,
+                "arguments": arguments_json, "trace_id": trace_id, "item": item}
+        try:
+            content = json.dumps(body).encode()
+        except (TypeError, ValueError) as exc:
+            error = f"the call cannot be sent as JSON: {exc}"
+            return ToolResult(name=name, call_id=call_id, status="failed", output=f"error: {error}", error=error)
+        attempt, attempts = await self._send_with_retries(tool, content)
+        return self._result(name, call_id, attempt, attempts, time.monotonic() - started)
+
+    async def _send_with_retries(self, tool: _Tool, content: bytes) -> tuple[_Attempt, int]:
+        total = 1 + max(0, self.options.retries)
+        for number in range(1, total + 1):
+            attempt = await self._send_once(tool, content)
+            if not attempt.retryable or number == total:
+                return attempt, number
+            logger.info("tool %s: attempt %d failed (%s); retrying", tool.endpoint.name, number, attempt.error)
+            await asyncio.sleep(self._backoff(number))
+        raise AssertionError("unreachable")
+
+    def _backoff(self, retry_number: int) -> float:
+        delay = min(self.options.backoff_max_s, self.options.backoff_base_s * 2 ** (retry_number - 1))
+        return delay / 2 + random.uniform(0, delay / 2)  # equal jitter: spread retries of many rollouts
+
+    async def _send_once(self, tool: _Tool, content: bytes) -> _Attempt:
+        async with tool.semaphore:
+            if tool.limiter is not None:
+                await tool.limiter.acquire()
+            try:
+                async with asyncio.timeout(self.options.attempt_timeout_s):
+                    return await self._post(tool, content)
+            except BlockedURL as exc:
+                return _Attempt(status="blocked", output=f"error: tool URL refused: {exc}", error=str(exc))
+            except (httpx.TimeoutException, TimeoutError) as exc:
+                opts = self.options
+                error = (f"timeout ({type(exc).__name__}; limits: connect {opts.connect_timeout_s:g} s, "
+                         f"read {opts.read_timeout_s:g} s, attempt {opts.attempt_timeout_s:g} s)")
+                return _Attempt(status="failed", error=error, retryable=True)
+            except httpx.TransportError as exc:
+                return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}", retryable=True)
+            except Exception as exc:  # noqa: BLE001 - whatever goes wrong is the tool's failure, not the job's
+                logger.warning("tool %s: unexpected error", tool.endpoint.name, exc_info=True)
+                return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _post(self, tool: _Tool, content: bytes) -> _Attempt:
+        cap = self.options.max_output_bytes
+        async with self._http.stream("POST", tool.endpoint.server_url, content=content, headers=tool.headers) as response:
+            raw, received = await _read_capped(response, cap)
+        text = raw.decode(response.encoding or "utf-8", errors="replace")
+        return self._attempt_from(response, text, size=max(received, _declared_length(response)), truncated=received > cap)
+
+    def _attempt_from(self, response: httpx.Response, text: str, *, size: int, truncated: bool) -> _Attempt:
+        """Classify one reply: output for the model, a transient failure, or a final one."""
+        code = response.status_code
+        if response.is_success:
+            output = text if truncated else _output_from(text)  # a cut-off JSON reply cannot be parsed
+            return _Attempt(status="ok", output=self._with_truncation_notice(output, truncated), status_code=code,
+                            size=size, truncated=truncated)
+        if code in RETRYABLE_STATUS:
+            return _Attempt(status="failed", status_code=code, size=size, retryable=True,
+                            error=f"HTTP {code}: {_excerpt(text)}")
+        if 400 <= code < 500:
+            output = text if text.strip() else f"error: the tool answered HTTP {code} {response.reason_phrase}"
+            return _Attempt(status="client_error", output=self._with_truncation_notice(output, truncated),
+                            status_code=code, size=size, truncated=truncated, error=f"HTTP {code}: {_excerpt(text)}")
+        location = response.headers.get("location", "")
+        error = f"HTTP {code}" + (f" redirect to {location} (redirects are not followed)" if location else "")
+        return _Attempt(status="failed", status_code=code, size=size, error=error)
+
+    def _with_truncation_notice(self, output: str, truncated: bool) -> str:
+        if not truncated:
+            return output
+        cap = self.options.max_output_bytes
+        return f"[output truncated: the tool returned more than {cap} bytes; showing the first {cap}]\n{output}"
+
+    def _result(self, name: str, call_id: str, attempt: _Attempt, attempts: int, latency_s: float) -> ToolResult:
+        output = attempt.output
+        if attempt.status == "failed":
+            output = f"error: the tool call failed after {attempts} attempt(s): {attempt.error}"
+        return ToolResult(
+            name=name, call_id=call_id, status=attempt.status, output=output, status_code=attempt.status_code,
+            latency_s=latency_s, bytes=attempt.size, attempts=attempts, error=attempt.error,
+            truncated=attempt.truncated,
+        )
+
+
+async def _read_capped(response: httpx.Response, cap: int) -> tuple[bytes, int]:
+    """At most `cap` bytes of the body, and how many were received (cap + 1 or more when the body
+    is longer: reading stops there instead of loading an unbounded body)."""
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        received += len(chunk)
+        if received > cap:
+            break
+    return b"".join(chunks)[:cap], received
+
+
+def _declared_length(response: httpx.Response) -> int:
+    try:
+        return int(response.headers.get("content-length", 0))
+    except ValueError:
+        return 0
+
+
+def _output_from(text: str) -> str:
+    """The `output` of a function_call_output reply; any other body is the output as it is."""
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(reply, dict) and "output" in reply:
+        output = reply["output"]
+        return output if isinstance(output, str) else json.dumps(output)
+    return text
+
+
+def _excerpt(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= ERROR_EXCERPT_CHARS else text[:ERROR_EXCERPT_CHARS] + "…"
