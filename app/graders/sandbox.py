@@ -306,7 +306,9 @@ def _reward_from(outcome: _Outcome, limits: SandboxLimits) -> float:
             "python_grader_runtime_error", f"the grader's result is larger than {RESULT_LIMIT_BYTES} bytes"
         )
     if not outcome.result:
-        raise GraderError("python_grader_runtime_error", _describe_exit(outcome, limits))
+        # 126/127: the launcher could not execute the interpreter at all, so no grader code ran.
+        flag = "python_grader_server_error" if outcome.returncode in (126, 127) else "python_grader_runtime_error"
+        raise GraderError(flag, _describe_exit(outcome, limits))
     try:
         message = json.loads(outcome.result, parse_constant=_refuse_constant)
     except ValueError:

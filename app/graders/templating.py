@@ -35,6 +35,8 @@ def resolve(path: str, sample: Sample, item: dict[str, Any]) -> Any:
     steps = _steps(path)
     if not steps or steps[0] not in ROOTS:
         raise GraderError("invalid_variable_error", f"template variable '{{{{{path}}}}}' must start with item or sample")
+    if steps[:2] == ["sample", "output_json"] and sample.output_json is None:
+        raise GraderError("sample_parse_error", f"'{{{{{path}}}}}' needs the sample's output to be JSON, and it is not")
     value: Any = item if steps[0] == "item" else sample.as_dict()
     for depth, step in enumerate(steps[1:], start=1):
         try:

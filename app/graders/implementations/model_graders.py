@@ -175,9 +175,25 @@ def _record_usage(result: GradeResult, reply: JudgeReply) -> None:
         result.model_token_usage = {reply.model: {**reply.usage, "total_tokens": total}}
 
 
+# The most text a judge is shown (about 100k tokens). A longer rendered prompt would have to be
+# cut, and a judge that sees part of the sample cannot grade it: truncated_observation_error.
+MAX_JUDGE_INPUT_CHARS = 400_000
+
+
+def _check_observation_size(messages: list[dict[str, Any]]) -> None:
+    size = sum(len(m["content"]) if isinstance(m["content"], str) else len(str(m["content"])) for m in messages)
+    if size > MAX_JUDGE_INPUT_CHARS:
+        raise GraderError(
+            "truncated_observation_error",
+            f"the judge prompt is {size} characters after templating, over the {MAX_JUDGE_INPUT_CHARS}-character "
+            "limit; the judge would see only part of the sample",
+        )
+
+
 async def _judge_and_score(config: Any, instructions: str, sample: Sample, item: dict[str, Any], ctx: GraderContext, score) -> GradeResult:  # noqa: ANN001
     """Ask the judge, then `score(reply, result)`; failures after the answer keep its token usage."""
     messages = judge_messages(config.input, instructions, sample, item)
+    _check_observation_size(messages)
     params = sampling_params(getattr(config, "sampling_params", None))
     reply = await ask_judge(config.model, messages, params, ctx)
     result = GradeResult(name=config.name, type=config.type, reward=0.0)
