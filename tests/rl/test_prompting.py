@@ -85,6 +85,14 @@ def test_tool_instructions_come_before_the_conversations_own_system_message(form
     assert system.count("<|im_start|>system") == 1
 
 
+def test_a_system_message_that_already_shows_the_call_syntax_is_kept_as_written(formatter, tokenizer):
+    own = 'Example:\nUser: Foo revenue?\nAssistant: <tool_call>{"name": "search", "arguments": {"query": "Foo"}}</tool_call>'
+    rendered = formatter.render([{"role": "system", "content": own}, *question()], TOOLS)
+    expected = tokenizer.apply_chat_template([{"role": "system", "content": own}, *question()], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered == expected and "<tools>" not in rendered
+
+
 def test_without_tools_the_template_is_used_unchanged(formatter, tokenizer):
     messages = [{"role": "developer", "content": "Be brief."}, *question()]
     expected = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, *question()],

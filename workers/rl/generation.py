@@ -30,22 +30,28 @@ class GenerationOutput:
     finish: str = "length"  # "stop" (an end-of-turn token was sampled) or "length"
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[int, float]:
-    """One token from one row of logits, and its log-prob under the tempered policy."""
+def _sample_rows(
+    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """One token per row, and its log-prob under the tempered policy. Vectorised over rows; each
+    row draws its single uniform number from its own generator (inverse-CDF sampling), so a
+    rollout's tokens depend on its seed only, never on which rollouts share its batch."""
+    logits = logits.float()
     if temperature <= 0:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token = int(torch.argmax(logprobs))
-        return token, float(logprobs[token])
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = logprobs.exp()
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        filtered = torch.zeros_like(probs)
-        filtered[order[keep]] = sorted_probs[keep]
-        probs = filtered
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logprobs[token])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        probs, order = logprobs.exp(), None
+        if top_p < 1.0:
+            probs, order = torch.sort(probs, dim=-1, descending=True)
+            probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p)
+        cdf = probs.cumsum(dim=-1)
+        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(-1)
+        picks = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1)
+        tokens = (order.gather(-1, picks) if order is not None else picks).squeeze(-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens.tolist(), chosen.tolist()
 
 
 STOP_STRING_WINDOW = 8  # tokens decoded to look for a stop string
@@ -80,23 +86,21 @@ def generate_batch(
     step_input, step_positions = ids, positions
     for _ in range(max(r.max_new_tokens for r in requests)):
         result = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions,
-                       cache=past, use_cache=True)
+                       cache=past, use_cache=True, logits_to_keep=1)
         past = result.cache
-        last = result.logits[:, -1, :].cpu()
-        next_tokens = []
-        for row, request in enumerate(requests):
-            if not active[row]:
-                next_tokens.append(pad_token_id)
-                continue
-            token, logprob = _sample(last[row], temperature, top_p, generators[row])
-            out = outputs[row]
+        rows = [row for row, is_active in enumerate(active) if is_active]
+        tokens, logprobs = _sample_rows(result.logits[rows, -1, :].cpu(), temperature, top_p,
+                                        [generators[row] for row in rows])
+        next_tokens = [pad_token_id] * len(requests)
+        for row, token, logprob in zip(rows, tokens, logprobs):
+            request, out = requests[row], outputs[row]
             out.token_ids.append(token)
             out.logprobs.append(logprob)
+            next_tokens[row] = token
             if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, decode):
                 out.finish, active[row] = "stop", False
             elif len(out.token_ids) >= request.max_new_tokens:
                 active[row] = False
-            next_tokens.append(token)
         if not any(active):
             break
         step_input = torch.tensor(next_tokens, device=device).unsqueeze(-1)

@@ -116,6 +116,7 @@ class _Batcher:
         self.pending: list[tuple[GenerationRequest, asyncio.Future[GenerationOutput]]] = []
         self.wake = asyncio.Event()
         self.batches: list[int] = []  # sizes, for reporting
+        self.generation_s = 0.0  # time spent generating, for reporting
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
@@ -133,6 +134,7 @@ class _Batcher:
             if not batch:
                 continue
             self.batches.append(len(batch))
+            started = time.perf_counter()
             try:
                 outputs = await asyncio.to_thread(
                     generate_batch, self.model, [r for r, _ in batch], pad_token_id=self.pad_token_id,
@@ -144,6 +146,8 @@ class _Batcher:
             else:
                 for (_, future), output in zip(batch, outputs):
                     future.set_result(output)
+            finally:
+                self.generation_s += time.perf_counter() - started
             if self.pending:
                 self.wake.set()
 
@@ -157,6 +161,7 @@ class RolloutEngine:
         self.stop_token_ids = frozenset(formatter.stop_token_ids())
         self.stop_strings = tuple(formatter.parser.stop_strings)
         self.batch_sizes: list[int] = []
+        self.generation_s = 0.0  # of the last run: time inside the model
 
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -166,7 +171,7 @@ class RolloutEngine:
             return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
         finally:
             loop_task.cancel()
-            self.batch_sizes = batcher.batches
+            self.batch_sizes, self.generation_s = batcher.batches, batcher.generation_s
 
     async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
         started = time.perf_counter()
