@@ -203,8 +203,8 @@ def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass():
     assert {e["body"]["trace_id"] for e in recorder.calls} == {r.trace_id for r in callers}
     for record in callers:
         assert record.tool_calls[0].status == "ok" and json.loads(record.tool_calls[0].arguments)["query"]
-        assert record.messages[3]["role"] == "tool" and "search result for" in record.messages[3]["content"]
-        assert record.turns == 2 and record.loss_mask.count(1) == record.completion_tokens
+        assert any(m["role"] == "tool" and "search result for" in m["content"] for m in record.messages)
+        assert record.turns >= 2 and record.loss_mask.count(1) == record.completion_tokens
         recomputed = sequence_logprobs(loaded.model, record.token_ids, temperature=0.7)
         worst = max(abs(recomputed[i] - lp) for i, (m, lp) in enumerate(zip(record.loss_mask, record.logprobs)) if m)
         assert worst < 2e-3, worst
