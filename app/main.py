@@ -17,6 +17,9 @@ from app.core.queue import JobQueue
 from app.files.router import router as files_router
 from app.files.storage import LocalStorage
 from app.graders.router import router as graders_router
+from app.internal.router import public_router as rollouts_router
+from app.internal.router import router as internal_router
+from app.internal.watchdog import Watchdog
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
 
@@ -57,7 +60,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             target=pipeline.recover, args=(state.session_factory, state.storage, state.queue),
             kwargs={"min_rows": settings.min_training_rows}, name="recover-jobs", daemon=True,
         ).start()
+        watchdog = Watchdog(state.session_factory, state.queue, settings.watchdog_interval_s)
+        watchdog.start()
         yield
+        watchdog.stop()
         state.queue.close()
         engine.dispose()
 
@@ -77,6 +83,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(graders_router)
+    app.include_router(rollouts_router)
+    app.include_router(internal_router)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

@@ -16,7 +16,8 @@ def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     if not settings.broker_url:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app = Celery("agent_rft", broker=settings.resolved_broker_url)
+    # Workers import the tasks; the API only sends them by name and never imports this list.
+    app = Celery("agent_rft", broker=settings.resolved_broker_url, include=["workers.tasks"])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

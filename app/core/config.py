@@ -74,6 +74,15 @@ class Settings(BaseSettings):
     grader_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to an endpoint grader or judge model.")
     python_grader_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one `python` grader run.")
     python_grader_memory_mb: int = Field(512, ge=64, description="Memory limit of the `python` grader's sandbox process.")
+    lease_seconds: int = Field(
+        60, ge=1,
+        description="How long a worker's claim on a job lasts without a heartbeat; the watchdog re-queues the job after that.",
+    )
+    watchdog_interval_s: float = Field(10.0, gt=0, description="How often the API looks for jobs whose worker lease expired.")
+    checkpoint_dir: Path | None = Field(
+        None,
+        description="Checkpoint and training-state storage shared by the workers; default `<data_dir>/checkpoints`.",
+    )
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
 
@@ -113,6 +122,10 @@ class Settings(BaseSettings):
     @property
     def resolved_storage_dir(self) -> Path:
         return (self.storage_dir or self.data_dir / "files").resolve()
+
+    @property
+    def resolved_checkpoint_dir(self) -> Path:
+        return (self.checkpoint_dir or self.data_dir / "checkpoints").resolve()
 
 
 def normalize_database_url(url: str) -> str:

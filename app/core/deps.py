@@ -22,7 +22,8 @@ def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-SessionDep = Annotated[Session, Depends(_session)]
+# scope="function": commit before the response is sent, so a 200 always means "stored".
+SessionDep = Annotated[Session, Depends(_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 
 

@@ -33,6 +33,16 @@ class Job(Base):
     estimated_finish: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # Set once the broker accepted the job's task; a queued job without it is re-sent at start-up.
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The worker lease (app/internal): who runs the job and until when, unless it heartbeats.
+    lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The last lease given back by a finish call, so that a retried finish is recognised.
+    released_lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Where a new worker resumes: the saved training state and the steps it covers.
+    resume_state: Mapped[str | None] = mapped_column(Text, nullable=True)
+    completed_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    resolved_hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
 
 
 class JobEvent(Base):
@@ -58,3 +68,5 @@ class Checkpoint(Base):
     fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(256))
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Directory of the checkpoint on the workers' shared storage.
+    path: Mapped[str | None] = mapped_column(Text, nullable=True)

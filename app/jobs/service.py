@@ -38,8 +38,19 @@ def _public_method(method: dict[str, Any]) -> dict[str, Any]:
     return {**method, "reinforcement": {**reinforcement, "tools": tools}} if reinforcement else method
 
 
+def _with_resolved_hyperparameters(method: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
+    """Once a worker has resolved the "auto" hyperparameters, report the values it trains with."""
+    reinforcement = method.get("reinforcement") or {}
+    if not resolved or not reinforcement:
+        return method
+    stored = reinforcement.get("hyperparameters") or {}
+    merged = {**stored, **{k: resolved[k] for k in stored if k in resolved}}
+    return {**method, "reinforcement": {**reinforcement, "hyperparameters": merged}}
+
+
 def to_schema(job: Job) -> JobObject:
-    hp = (job.method.get("reinforcement") or {}).get("hyperparameters", {})
+    method = _with_resolved_hyperparameters(job.method, job.resolved_hyperparameters)
+    hp = (method.get("reinforcement") or {}).get("hyperparameters", {})
     return JobObject(
         id=job.id, created_at=unix(job.created_at), error=JobError(**job.error) if job.error else None,
         fine_tuned_model=job.fine_tuned_model, finished_at=unix(job.finished_at),
@@ -50,7 +61,7 @@ def to_schema(job: Job) -> JobObject:
         model=job.model, organization_id=job.project_id, result_files=list(job.result_files or []), seed=job.seed,
         status=job.status, trained_tokens=job.trained_tokens, training_file=job.training_file,
         validation_file=job.validation_file, estimated_finish=unix(job.estimated_finish),
-        metadata=job.user_metadata, method=_public_method(job.method), suffix=job.suffix,
+        metadata=job.user_metadata, method=_public_method(method), suffix=job.suffix,
     )
 
 

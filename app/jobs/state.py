@@ -33,6 +33,9 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     S.RUNNING: frozenset({S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.PAUSED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
 }
+# Moves only the control plane makes, never a user action: a running job whose worker's lease
+# expired goes back to the queue (app/internal/watchdog.py); "resume" of a running job stays refused.
+SYSTEM_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {S.RUNNING: frozenset({S.QUEUED})}
 
 # User actions and the status each one moves a job to.
 ACTIONS: dict[str, JobStatus] = {"pause": S.PAUSED, "resume": S.QUEUED, "cancel": S.CANCELLED}
@@ -52,7 +55,10 @@ def transition(
     level: str = "info", error: dict[str, Any] | None = None,
 ) -> None:
     current = JobStatus(job.status)
-    if to not in TRANSITIONS.get(current, frozenset()):
+    allowed = TRANSITIONS.get(current, frozenset())
+    if action is None:
+        allowed |= SYSTEM_TRANSITIONS.get(current, frozenset())
+    if to not in allowed:
         verb = action or f"move to '{to.value}'"
         raise conflict(
             f"Cannot {verb} job '{job.id}': its status is '{current.value}'.",

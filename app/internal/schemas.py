@@ -1,0 +1,155 @@
+"""Request and response shapes of the internal worker API (docs/internal-api.md) and of the
+public rollouts listing."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Action = Literal["continue", "pause", "cancel"]
+Split = Literal["train", "valid"]
+
+
+class ClaimRequest(BaseModel):
+    worker_id: str = Field(min_length=1, max_length=255, description="Identifies the process running the task.")
+
+
+class ClaimedJob(BaseModel):
+    id: str
+    project_id: str
+    project_name: str
+    model: str
+    training_file: str
+    validation_file: str | None
+    method: dict[str, Any] = Field(description="The stored method, tool headers included (unmasked).")
+    seed: int
+    suffix: str | None
+    resume_state: str | None
+    completed_steps: int
+    resolved_hyperparameters: dict[str, Any] | None
+
+
+class ClaimResponse(BaseModel):
+    lease_id: str
+    lease_expires_at: int
+    job: ClaimedJob
+
+
+class Leased(BaseModel):
+    """Every call after the claim names the lease it holds."""
+
+    lease_id: str = Field(min_length=1, max_length=64)
+
+
+class HeartbeatResponse(BaseModel):
+    action: Action
+    lease_expires_at: int
+
+
+class StepMetrics(BaseModel):
+    """The `data` of an OpenAI metrics event, plus this service's `tools` and `train` blocks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int | None = Field(None, ge=0)
+    total_steps: int | None = Field(None, ge=0)
+    scores: dict[str, Any] = Field(default_factory=dict)
+    usage: dict[str, Any] = Field(default_factory=dict)
+    errors: dict[str, Any] = Field(default_factory=dict)
+    timing: dict[str, Any] = Field(default_factory=dict)
+    tools: dict[str, Any] = Field(default_factory=dict)
+    train: dict[str, Any] = Field(default_factory=dict)
+
+
+class StepPush(Leased):
+    metrics: StepMetrics
+
+
+class StepResult(BaseModel):
+    step: int
+    created: bool
+
+
+class EventPush(Leased):
+    key: str = Field(min_length=1, max_length=255, description="Idempotency key chosen by the worker.")
+    level: Literal["info", "warn", "error"] = "info"
+    message: str = Field(min_length=1, max_length=20000)
+    data: dict[str, Any] | None = None
+
+
+class EventResult(BaseModel):
+    id: str
+    created: bool
+
+
+class RolloutRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    trace_id: str = Field(min_length=1, max_length=128)
+    sample_index: int = Field(ge=0)
+    reward: float | None = None
+    finish_reason: str | None = Field(None, max_length=64)
+
+
+class RolloutPush(Leased):
+    step: int = Field(ge=0)
+    split: Split
+    records: list[RolloutRecord] = Field(max_length=10000)
+
+
+class RolloutResult(BaseModel):
+    stored: int
+
+
+class CheckpointPush(Leased):
+    path: str = Field(min_length=1, max_length=4096, description="Directory on the shared checkpoint storage.")
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointResult(BaseModel):
+    id: str
+    created: bool
+    delete_paths: list[str]
+
+
+class StatePush(Leased):
+    completed_steps: int = Field(ge=0)
+    resume_state: str = Field(min_length=1, max_length=4096, description="Path of the saved training state.")
+    resolved_hyperparameters: dict[str, Any] | None = None
+    trained_tokens: int | None = Field(None, ge=0)
+
+
+class StateResult(BaseModel):
+    completed_steps: int
+
+
+class FinishError(BaseModel):
+    code: str = Field(min_length=1, max_length=128)
+    message: str = Field(min_length=1, max_length=20000)
+    param: str | None = None
+
+
+class FinishPush(Leased):
+    status: Literal["succeeded", "failed", "paused", "cancelled"]
+    error: FinishError | None = None
+    trained_tokens: int | None = Field(None, ge=0)
+
+
+class FinishResult(BaseModel):
+    status: str
+    fine_tuned_model: str | None
+
+
+class RolloutObject(BaseModel):
+    """This service's extension: one rollout of a job, as `GET /v1/fine_tuning/jobs/{id}/rollouts` lists it."""
+
+    object: Literal["fine_tuning.job.rollout"] = "fine_tuning.job.rollout"
+    id: str = Field(description="The rollout's trace_id.")
+    step: int
+    split: Split
+    sample_index: int
+    reward: float | None
+    finish_reason: str | None
+    tool_calls: int
+    data: dict[str, Any]

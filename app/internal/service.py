@@ -1,0 +1,385 @@
+"""The worker side of a job's life: claim under a lease, heartbeat, and idempotent pushes of
+what training produces. Every call locks the job's row, so one job's calls never interleave and
+a check-then-insert cannot race; every write first checks that the caller still holds the lease."""
+
+from __future__ import annotations
+
+import hmac
+import math
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import and_, insert, or_, select
+from sqlalchemy.orm import Session
+
+from app.auth.models import Project
+from app.core.config import Settings
+from app.core.db import unix, utcnow
+from app.core.errors import APIError, bad_request, conflict, not_found
+from app.core.ids import new_id
+from app.core.pagination import ListPage
+from app.files.models import StoredFile
+from app.internal.models import JobMetric, JobRollout, JobStep, WorkerEventKey
+from app.internal.schemas import (
+    CheckpointPush,
+    CheckpointResult,
+    ClaimedJob,
+    ClaimResponse,
+    EventPush,
+    EventResult,
+    FinishPush,
+    FinishResult,
+    HeartbeatResponse,
+    RolloutObject,
+    RolloutPush,
+    RolloutRecord,
+    RolloutResult,
+    StatePush,
+    StateResult,
+    StepPush,
+    StepResult,
+)
+from app.jobs import service as jobs
+from app.jobs.models import Checkpoint, Job
+from app.jobs.state import TRANSITIONS, JobStatus, add_event, transition
+
+S = JobStatus
+KEPT_BEST_CHECKPOINTS = 3
+MAX_METRIC_KEY = 255
+
+
+# --- leases -------------------------------------------------------------------------------
+
+def _aware(ts: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; they are UTC here."""
+    return ts.replace(tzinfo=timezone.utc) if ts is not None and ts.tzinfo is None else ts
+
+
+def lease_is_live(job: Job, now: datetime) -> bool:
+    expires = _aware(job.lease_expires_at)
+    return job.lease_id is not None and expires is not None and expires > now
+
+
+def _locked_job(session: Session, job_id: str) -> Job:
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param="job_id")
+    return job
+
+
+def _holds_lease(job: Job, lease_id: str) -> bool:
+    return job.lease_id is not None and hmac.compare_digest(job.lease_id.encode(), lease_id.encode())
+
+
+def _lease_lost(job_id: str, lease_id: str) -> APIError:
+    return conflict(
+        f"Lease '{lease_id}' no longer holds job '{job_id}' (it expired and the job was re-queued or taken "
+        "over, or the job finished). Stop working on this job.",
+        code="lease_lost", param="lease_id",
+    )
+
+
+def _leased_job(session: Session, job_id: str, lease_id: str) -> Job:
+    """The job, locked, if `lease_id` is still its lease; else 409 lease_lost. A lease past its
+    expiry still counts until the watchdog or another worker takes it: a late heartbeat is
+    not a lost job."""
+    job = _locked_job(session, job_id)
+    if not _holds_lease(job, lease_id):
+        raise _lease_lost(job_id, lease_id)
+    return job
+
+
+def _grant_lease(job: Job, worker_id: str, settings: Settings, now: datetime) -> None:
+    if job.lease_id is None or job.lease_owner != worker_id:
+        job.lease_id = new_id("lease_")
+    job.lease_owner = worker_id
+    job.lease_expires_at = now + timedelta(seconds=settings.lease_seconds)
+
+
+def release_lease(job: Job, *, remember: bool) -> None:
+    if remember:
+        job.released_lease_id = job.lease_id
+    job.lease_id = job.lease_owner = job.lease_expires_at = None
+
+
+def _project_name(session: Session, job: Job) -> str:
+    return session.scalar(select(Project.name).where(Project.id == job.project_id)) or ""
+
+
+def _note_takeover(session: Session, job: Job, previous_owner: str | None, worker_id: str) -> None:
+    add_event(session, job, f"Worker {previous_owner or 'unknown'} lost its lease; {worker_id} takes over",
+              level="warn", data={"previous_worker": previous_owner, "worker": worker_id})
+
+
+def _start_or_take_over(session: Session, job: Job, worker_id: str, now: datetime) -> None:
+    """Queued: start it. Running: take it over only if its worker's lease has expired."""
+    previous_owner = job.lease_owner if job.lease_id else None
+    someone_else = previous_owner is not None and previous_owner != worker_id
+    if job.status == S.RUNNING.value:
+        if someone_else and lease_is_live(job, now):
+            raise conflict(f"Job '{job.id}' is running on worker {previous_owner}, whose lease is live; try later.",
+                           code="lease_held")
+        if previous_owner is None or someone_else:
+            _note_takeover(session, job, previous_owner, worker_id)
+    elif job.status == S.QUEUED.value:
+        if someone_else:  # e.g. paused and resumed before the old worker gave its lease back
+            _note_takeover(session, job, previous_owner, worker_id)
+        transition(session, job, S.RUNNING, message=f"Job started on worker {worker_id}")
+    else:
+        raise conflict(f"Job '{job.id}' cannot be claimed: its status is '{job.status}'.", code="not_claimable",
+                       param="status")
+
+
+def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) -> ClaimResponse:
+    job, now = _locked_job(session, job_id), utcnow()
+    _start_or_take_over(session, job, worker_id, now)
+    _grant_lease(job, worker_id, settings, now)
+    return ClaimResponse(lease_id=job.lease_id, lease_expires_at=unix(job.lease_expires_at), job=ClaimedJob(
+        id=job.id, project_id=job.project_id, project_name=_project_name(session, job), model=job.model,
+        training_file=job.training_file, validation_file=job.validation_file, method=job.method, seed=job.seed,
+        suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
+        resolved_hyperparameters=job.resolved_hyperparameters,
+    ))
+
+
+def heartbeat(*, session: Session, settings: Settings, job_id: str, lease_id: str) -> HeartbeatResponse:
+    job = _leased_job(session, job_id, lease_id)
+    job.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_seconds)
+    action = {S.CANCELLED.value: "cancel", S.PAUSED.value: "pause"}.get(job.status, "continue")
+    return HeartbeatResponse(action=action, lease_expires_at=unix(job.lease_expires_at))
+
+
+# --- files --------------------------------------------------------------------------------
+
+def file_row(*, session: Session, file_id: str) -> StoredFile:
+    """Any project's file: workers serve every project."""
+    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id))
+    if row is None:
+        raise not_found("file", file_id, param="file_id")
+    return row
+
+
+# --- pushes -------------------------------------------------------------------------------
+
+def finite_json(value: Any) -> Any:
+    """NaN and infinities are not JSON (PostgreSQL's JSONB refuses them): they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def flatten_metrics(data: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """{"scores": {"train_reward_mean": 0.4}} -> {"scores.train_reward_mean": 0.4}; numbers only."""
+    flat: dict[str, float] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_metrics(value, name + "."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            flat[name] = float(value)
+    return flat
+
+
+def _step_message(data: dict[str, Any]) -> str:
+    total = data.get("total_steps")
+    message = f"Step {data['step']}/{total}" if total is not None else f"Step {data['step']}"
+    reward = (data.get("scores") or {}).get("train_reward_mean")
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        message += f": train reward {reward:.3f}"
+    return message
+
+
+def push_step(*, session: Session, job_id: str, step: int, body: StepPush) -> StepResult:
+    job = _leased_job(session, job_id, body.lease_id)
+    if body.metrics.step is not None and body.metrics.step != step:
+        raise bad_request(f"metrics.step is {body.metrics.step} but the URL names step {step}.", param="metrics.step")
+    if session.scalar(select(JobStep.seq).where(JobStep.job_id == job_id, JobStep.step == step)) is not None:
+        return StepResult(step=step, created=False)
+    data = finite_json({**body.metrics.model_dump(mode="json"), "step": step})
+    values = {k: v for k, v in flatten_metrics(data).items() if k not in ("step", "total_steps")}
+    too_long = next((k for k in values if len(k) > MAX_METRIC_KEY), None)
+    if too_long:
+        raise bad_request(f"Metric name '{too_long[:80]}…' is longer than {MAX_METRIC_KEY} characters.",
+                          param="metrics")
+    session.add(JobStep(job_id=job_id, step=step, data=data))
+    if values:
+        session.execute(insert(JobMetric), [
+            {"job_id": job_id, "step": step, "key": key, "value": value} for key, value in values.items()
+        ])
+    add_event(session, job, _step_message(data), type="metrics", data=data)
+    return StepResult(step=step, created=True)
+
+
+def push_event(*, session: Session, job_id: str, body: EventPush) -> EventResult:
+    job = _leased_job(session, job_id, body.lease_id)
+    known = session.scalar(select(WorkerEventKey.event_id).where(WorkerEventKey.job_id == job_id,
+                                                                 WorkerEventKey.key == body.key))
+    if known is not None:
+        return EventResult(id=known, created=False)
+    event = add_event(session, job, body.message, level=body.level, data=finite_json(body.data))
+    session.add(WorkerEventKey(job_id=job_id, key=body.key, event_id=event.id))
+    return EventResult(id=event.id, created=True)
+
+
+def _tool_call_count(record: dict[str, Any]) -> int:
+    calls = record.get("tool_calls")
+    if isinstance(calls, list):
+        return len(calls)
+    return calls if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0 else 0
+
+
+def push_rollouts(*, session: Session, job_id: str, body: RolloutPush) -> RolloutResult:
+    _leased_job(session, job_id, body.lease_id)
+    records: dict[str, RolloutRecord] = {}
+    for record in body.records:
+        records.setdefault(record.trace_id, record)  # the first of duplicates within one push wins
+    if not records:
+        return RolloutResult(stored=0)
+    stored = set(session.scalars(select(JobRollout.trace_id).where(JobRollout.job_id == job_id,
+                                                                   JobRollout.trace_id.in_(list(records)))))
+    new = [r for trace_id, r in records.items() if trace_id not in stored]
+    if new:
+        session.execute(insert(JobRollout), [
+            {"job_id": job_id, "step": body.step, "split": body.split, "trace_id": r.trace_id,
+             "sample_index": r.sample_index, "reward": finite_json(r.reward), "finish_reason": r.finish_reason,
+             "tool_calls": _tool_call_count(r.model_dump()), "data": finite_json(r.model_dump(mode="json"))}
+            for r in new
+        ])
+    return RolloutResult(stored=len(new))
+
+
+def fine_tuned_model_name(job: Job, project_name: str) -> str:
+    return f"ft:{job.model}:{project_name}:{job.suffix or ''}:{job.id}"
+
+
+def _validation_reward(checkpoint: Checkpoint) -> float:
+    value = (checkpoint.metrics or {}).get("valid_reward_mean")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return -math.inf
+
+
+def prune_checkpoints(session: Session, job_id: str) -> list[str]:
+    """Keep the 3 best checkpoints by validation reward plus the latest; delete the other rows
+    and return their paths, for the worker to delete the files."""
+    rows = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+    if not rows:
+        return []
+    best = sorted(rows, key=lambda c: (_validation_reward(c), c.step_number), reverse=True)[:KEPT_BEST_CHECKPOINTS]
+    kept = {c.seq for c in best} | {max(rows, key=lambda c: c.step_number).seq}
+    dropped = sorted((c for c in rows if c.seq not in kept), key=lambda c: c.step_number)
+    for checkpoint in dropped:
+        session.delete(checkpoint)
+    return [c.path for c in dropped if c.path]
+
+
+def push_checkpoint(*, session: Session, job_id: str, step: int, body: CheckpointPush) -> CheckpointResult:
+    job = _leased_job(session, job_id, body.lease_id)
+    existing = session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step_number == step))
+    if existing is not None:
+        return CheckpointResult(id=existing, created=False, delete_paths=[])
+    name = f"{fine_tuned_model_name(job, _project_name(session, job))}:ckpt-step-{step}"
+    metrics = {"step": step, **finite_json(body.metrics)}
+    checkpoint = jobs.record_checkpoint(session=session, job=job, step_number=step, model_ref=name, metrics=metrics)
+    checkpoint.path = body.path
+    delete_paths = prune_checkpoints(session, job_id)
+    session.flush()
+    return CheckpointResult(id=checkpoint.id, created=True, delete_paths=delete_paths)
+
+
+def record_state(*, session: Session, job_id: str, body: StatePush) -> StateResult:
+    job = _leased_job(session, job_id, body.lease_id)
+    job.completed_steps = body.completed_steps
+    job.resume_state = body.resume_state
+    if body.resolved_hyperparameters is not None:
+        job.resolved_hyperparameters = finite_json(body.resolved_hyperparameters)
+    if body.trained_tokens is not None:
+        job.trained_tokens = body.trained_tokens
+    return StateResult(completed_steps=job.completed_steps)
+
+
+# --- the end of a run ---------------------------------------------------------------------
+
+def _can_move(job: Job, to: JobStatus) -> bool:
+    return to in TRANSITIONS.get(JobStatus(job.status), frozenset())
+
+
+def _succeed(session: Session, job: Job, body: FinishPush) -> None:
+    if job.status != S.RUNNING.value:
+        # Paused or re-queued meanwhile: the next claim resumes from the saved state and finishes
+        # at once; cancelled stays cancelled.
+        add_event(session, job, f"Worker {job.lease_owner} finished training while the job was {job.status}; "
+                                f"its status stays '{job.status}'.")
+        return
+    job.fine_tuned_model = fine_tuned_model_name(job, _project_name(session, job))
+    job.result_files = []
+    transition(session, job, S.SUCCEEDED, message="The job has successfully completed")
+
+
+def _fail(session: Session, job: Job, body: FinishPush) -> None:
+    error = body.error.model_dump() if body.error else {
+        "code": "worker_error", "message": "The worker reported a failure without details.", "param": None}
+    if not _can_move(job, S.FAILED):
+        add_event(session, job, f"Worker failed after the job was {job.status}: {error['message']}", level="error")
+        return
+    transition(session, job, S.FAILED, level="error", error=error, message=f"Training failed: {error['message']}")
+
+
+def _stop(session: Session, job: Job, body: FinishPush) -> None:
+    target = S(body.status)
+    message = (f"Training state saved at step {job.completed_steps}; job paused" if target == S.PAUSED
+               else "Worker stopped: job cancelled")
+    if job.status == S.RUNNING.value:  # the worker stopped on its own; the status follows it
+        transition(session, job, target, message=message)
+    elif job.status == target.value:  # the user's action already moved the status
+        add_event(session, job, message)
+    else:
+        add_event(session, job, f"Worker stopped ({body.status}) at step {job.completed_steps}; "
+                                f"the job's status is '{job.status}'.")
+
+
+def finish(*, session: Session, job_id: str, body: FinishPush) -> FinishResult:
+    job = _locked_job(session, job_id)
+    if not _holds_lease(job, body.lease_id):
+        released = job.released_lease_id
+        if released is not None and hmac.compare_digest(released.encode(), body.lease_id.encode()):
+            return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)  # a retried finish
+        raise _lease_lost(job_id, body.lease_id)
+    if body.trained_tokens is not None:
+        job.trained_tokens = body.trained_tokens
+    {"succeeded": _succeed, "failed": _fail}.get(body.status, _stop)(session, job, body)
+    release_lease(job, remember=True)
+    return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)
+
+
+# --- public reading -----------------------------------------------------------------------
+
+def list_rollouts(
+    *, session: Session, project_id: str, job_id: str, step: int | None, split: str | None, after: str | None,
+    limit: int,
+) -> ListPage[RolloutObject]:
+    jobs.get_row(session=session, project_id=project_id, job_id=job_id)
+    stmt = select(JobRollout).where(JobRollout.job_id == job_id)
+    if step is not None:
+        stmt = stmt.where(JobRollout.step == step)
+    if split is not None:
+        stmt = stmt.where(JobRollout.split == split)
+    if after:
+        anchor = session.execute(select(JobRollout.step, JobRollout.seq).where(
+            JobRollout.job_id == job_id, JobRollout.trace_id == after)).first()
+        if anchor is None:
+            raise bad_request(f"No rollout with id '{after}' to page after.", param="after")
+        stmt = stmt.where(or_(JobRollout.step < anchor.step,
+                              and_(JobRollout.step == anchor.step, JobRollout.seq < anchor.seq)))
+    rows = list(session.scalars(stmt.order_by(JobRollout.step.desc(), JobRollout.seq.desc()).limit(limit + 1)))
+    data = [
+        RolloutObject(id=r.trace_id, step=r.step, split=r.split, sample_index=r.sample_index, reward=r.reward,
+                      finish_reason=r.finish_reason, tool_calls=r.tool_calls, data=r.data)
+        for r in rows[:limit]
+    ]
+    return ListPage[RolloutObject](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
+                                   last_id=data[-1].id if data else None)
