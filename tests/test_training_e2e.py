@@ -1,0 +1,206 @@
+"""A job end to end: the openai SDK creates it, a real Celery worker (a subprocess on Redis)
+trains the tiny model against a real tool server, reporting over the internal API."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import pytest
+import psycopg
+
+from app.core.config import Settings
+from tests.conftest import REDIS_URL, jsonl, live_server, wait_for
+from tests.rl.tool_server import tool_server
+
+AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+
+
+def rows(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"What was ACME's revenue in {2000 + i}?"}],
+             "tools": [SEARCH], "reference_answer": f"ACME revenue {2000 + i} was {100 + i} million"}
+            for i in range(n)]
+
+
+@pytest.fixture
+def training_settings(settings: Settings, tmp_path: Path) -> Settings:
+    settings.lease_seconds = 4
+    settings.watchdog_interval_s = 0.5
+    settings.checkpoint_dir = tmp_path / "checkpoints"
+    settings.worker_token = type(settings.worker_token)("e2e-worker-token")
+    return settings
+
+
+@contextmanager
+def celery_worker(settings: Settings, api_url: str):  # noqa: ANN201
+    env = {**os.environ, "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": "e2e-worker-token",
+           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
+           "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
+           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen([AGENT_RFT, "worker", "--queues", settings.training_queue, "--loglevel", "info"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "ready" in log.read_text() or proc.poll() is not None, timeout=120, interval=0.2)
+        assert proc.poll() is None, log.read_text()
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: dict | None = None, **hyper) -> str:  # noqa: ANN003
+    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
+    job = sdk.fine_tuning.jobs.create(
+        model="tiny-smollm2", training_file=uploaded.id, seed=7,
+        method={"type": "reinforcement", "reinforcement": {
+            "grader": grader or {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
+                                 "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"},
+            "tools": [{"name": "search", "server_url": tool_url}],
+            "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 1,
+                                "eval_samples": 2, **hyper},
+            "max_episode_steps": 2,
+            "x_open_model": {"lora_rank": 4, "max_tokens_per_turn": 12, "max_tokens_per_rollout": 24},
+        }},
+    )
+    return job.id
+
+
+def status_of(sdk: openai.OpenAI, job_id: str) -> str:
+    return sdk.fine_tuning.jobs.retrieve(job_id).status
+
+
+def test_a_job_trains_end_to_end(training_settings, project, pg_url):
+    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        job_id = create_job(sdk, tool_url)
+        statuses = []
+
+        def finished() -> bool:
+            statuses.append(status_of(sdk, job_id))
+            return statuses[-1] in ("succeeded", "failed", "cancelled")
+
+        wait_for(finished, timeout=240, interval=0.5)
+        job = sdk.fine_tuning.jobs.retrieve(job_id)
+        assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+        assert "running" in statuses
+        assert job.fine_tuned_model == f"ft:tiny-smollm2:{project['name']}::{job_id}"
+        assert job.hyperparameters.batch_size == 2 and job.trained_tokens and job.trained_tokens > 0
+
+        events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+        metrics = [e for e in events if e.type == "metrics"]
+        assert sorted(e.data["step"] for e in metrics) == [1, 2]
+        data = metrics[0].data
+        assert {"step", "total_steps", "scores", "usage", "errors", "timing", "tools", "train"} <= set(data)
+        assert "train_reward_mean" in data["scores"] and "full_iteration" in data["timing"]["step"]
+        assert "tool_calls_per_rollout" in data["tools"] and "loss" in data["train"]
+
+        rollouts = sdk.get(f"/fine_tuning/jobs/{job_id}/rollouts", cast_to=object, options={"params": {"limit": 100}})
+        train = [r for r in rollouts["data"] if r["split"] == "train"]
+        assert len(train) == 2 * 2 * 2  # steps x batch x group
+        assert len({r["id"] for r in rollouts["data"]}) == len(rollouts["data"])
+
+        checkpoints = list(sdk.fine_tuning.jobs.checkpoints.list(job_id))
+        assert checkpoints and checkpoints[0].fine_tuned_model_checkpoint.startswith(f"ft:tiny-smollm2:{project['name']}")
+        with psycopg.connect(pg_url) as conn:
+            path = conn.execute("SELECT path FROM checkpoints WHERE id = %s", (checkpoints[0].id,)).fetchone()[0]
+            steps = conn.execute("SELECT step FROM job_steps WHERE job_id = %s ORDER BY step", (job_id,)).fetchall()
+        assert [s for (s,) in steps] == [1, 2]
+    from peft import PeftModel
+
+    from workers.rl.models import load_model
+
+    base_model = load_model("tiny-smollm2").model
+    trained = PeftModel.from_pretrained(base_model, path)
+    assert trained is not None and any("lora" in name for name, _ in trained.named_parameters())
+
+
+def test_cancel_stops_the_worker(training_settings, project):
+    with live_server(training_settings) as base, tool_server(latency_s=0.3) as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        job_id = create_job(sdk, tool_url, n_rows=8, n_epochs=5)
+        wait_for(lambda: status_of(sdk, job_id) == "running", timeout=120, interval=0.3)
+        sdk.fine_tuning.jobs.cancel(job_id)
+        wait_for(lambda: "Worker stopped" in " ".join(e.message for e in sdk.fine_tuning.jobs.list_events(job_id)),
+                 timeout=90, interval=0.5)
+        assert status_of(sdk, job_id) == "cancelled"
+
+
+def test_a_failing_grader_server_fails_the_job_cleanly(training_settings, project):
+    """Every grading goes to a port nobody listens on: retried, then failed; the job ends
+    `failed` with the reason (a failing tool server is covered the same way in
+    tests/rl/test_trainer.py, with a policy that is sure to call it)."""
+    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (worker, log):
+        job_id = create_job(sdk, tool_url, n_rows=2,
+                            grader={"type": "endpoint", "name": "remote", "url": "http://127.0.0.1:9/grade"})
+        wait_for(lambda: status_of(sdk, job_id) in ("failed", "succeeded"), timeout=240, interval=0.5)
+        job = sdk.fine_tuning.jobs.retrieve(job_id)
+        assert job.status == "failed" and job.error.code == "grader_failure_rate", (job.error, log.read_text()[-2000:])
+        assert "127.0.0.1:9" in job.error.message or "grad" in job.error.message
+        errors = [e for e in sdk.fine_tuning.jobs.list_events(job_id, limit=100) if e.level == "error"]
+        assert errors and errors[0].message
+        assert worker.poll() is None  # the worker survives a failed job
+
+
+def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(training_settings, project, pg_url):
+    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
+        with celery_worker(training_settings, base) as (worker, _):
+            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=3)
+            wait_for(lambda: steps_of(pg_url, job_id), timeout=180, interval=0.2)
+            os.killpg(worker.pid, signal.SIGKILL)  # mid-run, no goodbye
+        assert status_of(sdk, job_id) == "running"
+        # The watchdog notices the silent lease and re-queues the job from its last saved step.
+        wait_for(lambda: status_of(sdk, job_id) == "queued", timeout=60, interval=0.3)
+        with celery_worker(training_settings, base) as (_, log):
+            wait_for(lambda: status_of(sdk, job_id) in ("succeeded", "failed"), timeout=240, interval=0.5)
+            assert status_of(sdk, job_id) == "succeeded", log.read_text()[-3000:]
+        total = sdk.fine_tuning.jobs.retrieve(job_id).method.reinforcement.hyperparameters
+        events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+        assert any("stopped sending heartbeats" in e.message for e in events)
+        metric_steps = sorted(e.data["step"] for e in events if e.type == "metrics")
+        assert metric_steps == list(range(1, len(metric_steps) + 1)) == steps_of(pg_url, job_id)
+        assert metric_steps[-1] == events[[e.type for e in events].index("metrics")].data["total_steps"]
+        assert total is not None
+
+
+def steps_of(pg_url: str, job_id: str) -> list[int]:
+    with psycopg.connect(pg_url) as conn:
+        return [s for (s,) in conn.execute("SELECT step FROM job_steps WHERE job_id = %s ORDER BY step", (job_id,))]
+
+
+def test_pause_then_resume_finishes_the_job(training_settings, project, pg_url):
+    with live_server(training_settings) as base, tool_server(latency_s=0.2) as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=3)
+        wait_for(lambda: steps_of(pg_url, job_id), timeout=180, interval=0.2)
+        sdk.fine_tuning.jobs.pause(job_id)
+        wait_for(lambda: "job paused" in " ".join(e.message for e in sdk.fine_tuning.jobs.list_events(job_id)),
+                 timeout=90, interval=0.3)
+        paused_at = steps_of(pg_url, job_id)
+        time.sleep(1.5)
+        assert steps_of(pg_url, job_id) == paused_at and status_of(sdk, job_id) == "paused"
+        sdk.fine_tuning.jobs.resume(job_id)
+        wait_for(lambda: status_of(sdk, job_id) in ("succeeded", "failed"), timeout=240, interval=0.5)
+        assert status_of(sdk, job_id) == "succeeded", log.read_text()[-3000:]
+        steps = steps_of(pg_url, job_id)
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(paused_at)
