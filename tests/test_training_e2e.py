@@ -4,7 +4,6 @@ trains the tiny model against a real tool server, reporting over the internal AP
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import subprocess
