@@ -16,6 +16,8 @@ from workers.celery_app import RUN_JOB_TASK, celery_app
 from workers.control_client import Claim, ControlPlaneClient, Heartbeat, LeaseHeld, NotClaimable
 
 log = logging.getLogger(__name__)
+# One line per internal-API call would drown the worker's log; failures are logged by the client.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 LEASE_RETRY_COUNTDOWN_S = 10
 
 
