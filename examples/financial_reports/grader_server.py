@@ -1,0 +1,126 @@
+"""The financial-reports endpoint grader (DESIGN.md §3.3): right number, found efficiently.
+
+    python -m examples.financial_reports.grader_server --tool-server http://127.0.0.1:8001 --port 8002
+
+`POST /grade` with `{"sample", "item", "trace_id"}` answers `{"score", "details"}`:
+
+    correct    = 1 if the last number of sample.output_text matches item.answer (with item.scale),
+                 within 1 % (the numeric_match grader's parsing: "$1,234.5", "(12)", "7%", "1.2 million")
+    calls      = how many tool calls the tool server logged for this trace_id (GET /traces/{trace_id})
+    efficiency = max(0.5, 1 - 0.05 * max(0, calls - 2))     two calls (search, cat) are free
+    score      = correct * efficiency
+
+So a wrong answer scores 0 however it was found, and a right one scores between 0.5 and 1: within a
+group of rollouts of the same question, the ones that searched less score higher. Without a tool
+server URL the score is `correct` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Header, HTTPException
+from pydantic import BaseModel, Field
+
+from app.graders.core import GraderError
+from app.graders.implementations.numeric_match import (
+    amounts_match,
+    pick_amount,
+    reference_amount,
+)
+
+
+class GradeSample(BaseModel):
+    output_text: str = ""
+    output_json: Any = None
+    output_tools: list[Any] = Field(default_factory=list)
+    choices: list[Any] = Field(default_factory=list)
+    trajectory: list[Any] = Field(default_factory=list)
+    usage: dict[str, Any] = Field(default_factory=dict)
+
+
+class GradeRequest(BaseModel):
+    sample: GradeSample
+    item: dict[str, Any]
+    trace_id: str = ""
+
+
+def is_correct(output_text: str, answer: str, scale: str, rel_tol: float = 0.01) -> bool:
+    reference = reference_amount(str(answer), scale)
+    given = pick_amount(output_text, "last")
+    return given is not None and amounts_match(given, reference, rel_tol, 1e-9)
+
+
+def efficiency(calls: int, free_calls: int = 2, penalty: float = 0.05, floor: float = 0.5) -> float:
+    return max(floor, 1.0 - penalty * max(0, calls - free_calls))
+
+
+def create_grader_app(tool_server_url: str | None, *, token: str | None = None,
+                      tool_server_token: str | None = None, free_calls: int = 2, penalty: float = 0.05,
+                      floor: float = 0.5, rel_tol: float = 0.01, timeout_s: float = 10.0) -> FastAPI:
+    """`tool_server_url` is the tool server's base URL (its `/traces/{id}` is read); None: no
+    efficiency term. With `token`, requests need `Authorization: Bearer <token>`;
+    `tool_server_token` is sent to the tool server."""
+    app = FastAPI(title="financial-reports grader")
+    base = tool_server_url.rstrip("/").removesuffix("/tools") if tool_server_url else None
+    headers = {"Authorization": f"Bearer {tool_server_token}"} if tool_server_token else {}
+
+    async def tool_calls(trace_id: str) -> int | None:
+        if base is None:
+            return None
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            try:
+                response = await client.get(f"{base}/traces/{trace_id}", headers=headers)
+            except httpx.HTTPError as exc:
+                # 5xx: the service retries, then excludes the rollout rather than mis-scoring it.
+                raise HTTPException(503, f"tool server unreachable: {type(exc).__name__}") from None
+        if response.status_code == 404:
+            return 0  # the tool server saw no call of this rollout
+        if response.status_code != 200:
+            raise HTTPException(502, f"tool server answered HTTP {response.status_code} for the trace")
+        return int(response.json()["count"])
+
+    @app.post("/grade")
+    async def grade(request: GradeRequest, authorization: str = Header("")) -> dict[str, Any]:
+        if token is not None and authorization != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token")
+        if "answer" not in request.item:
+            raise HTTPException(400, "item has no 'answer'")
+        try:
+            correct = is_correct(request.sample.output_text, request.item["answer"],
+                                 str(request.item.get("scale") or ""), rel_tol)
+        except GraderError as exc:
+            raise HTTPException(400, f"unreadable reference answer: {exc}") from None
+        calls = await tool_calls(request.trace_id) if request.trace_id else None
+        factor = 1.0 if calls is None else efficiency(calls, free_calls, penalty, floor)
+        score = float(correct) * factor
+        return {"score": score,
+                "details": {"correct": correct, "tool_calls": calls, "efficiency": factor}}
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Grade financial-reports answers (numeric match x efficiency).")
+    parser.add_argument("--tool-server", default=None, help="tool server base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8002)
+    parser.add_argument("--token", default=os.environ.get("FIN_GRADER_TOKEN"))
+    parser.add_argument("--tool-server-token", default=os.environ.get("FIN_TOOLS_TOKEN"))
+    args = parser.parse_args(argv)
+    app = create_grader_app(args.tool_server, token=args.token, tool_server_token=args.tool_server_token)
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
