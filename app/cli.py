@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -159,6 +160,111 @@ def rollout(
                         allowlist=get_settings().outbound_allowlist, seed=seed, json_out=json_out, echo=typer.echo)
     except (RolloutInputError, ModelError, OSError) as exc:
         _fail(str(exc))
+
+
+# --- client commands: a running server, through the official `openai` SDK (app/cli_client.py) ---
+
+files_cli = typer.Typer(help="Files on an agent-rft server (through the openai SDK).", no_args_is_help=True)
+jobs_cli = typer.Typer(help="Fine-tuning jobs on an agent-rft server (through the openai SDK).", no_args_is_help=True)
+cli.add_typer(files_cli, name="files")
+cli.add_typer(jobs_cli, name="jobs")
+
+BaseUrl = Annotated[str, typer.Option("--base-url", envvar="AGENT_RFT_BASE_URL", help="The server's /v1 URL.")]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["AGENT_RFT_API_KEY", "OPENAI_API_KEY"],
+                                            show_default=False, help="A project's API key.")]
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+
+
+def _client_call(action: Callable[[], Any]) -> Any:
+    """Run a client action; its CliError becomes `error: …` and exit status 1."""
+    from app.cli_client import CliError
+
+    try:
+        return action()
+    except CliError as exc:
+        _fail(str(exc))
+
+
+def _client(base_url: str, api_key: str | None) -> Any:
+    from app.cli_client import make_client
+
+    return _client_call(lambda: make_client(base_url, api_key))
+
+
+@files_cli.command("upload")
+def files_upload(path: Path, purpose: Annotated[str, typer.Option()] = "fine-tune",
+                 base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Upload PATH; print its file id and size."""
+    from app.cli_client import format_file, upload_file
+
+    uploaded = _client_call(lambda: upload_file(_client(base_url, api_key), path, purpose))
+    typer.echo(format_file(uploaded))
+
+
+@jobs_cli.command("create")
+def jobs_create(config: Annotated[Path, typer.Option("--config", help="Job YAML (see docs/cli.md).")],
+                base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Create a job from a YAML file; local training/validation files are uploaded first."""
+    from app.cli_client import create_job
+
+    job = _client_call(lambda: create_job(_client(base_url, api_key), config, typer.echo))
+    typer.echo(f"{job.id}  {job.status}")
+
+
+@jobs_cli.command("list")
+def jobs_list(limit: Annotated[int, typer.Option(min=1, max=100)] = 20,
+              metadata: Annotated[list[str] | None, typer.Option(help="key=value filter; repeatable.")] = None,
+              base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """List jobs, newest first, as a table."""
+    from app.cli_client import format_jobs_table, list_jobs
+
+    jobs = _client_call(lambda: list_jobs(_client(base_url, api_key), limit=limit, metadata=metadata or []))
+    typer.echo(format_jobs_table(jobs))
+
+
+@jobs_cli.command("events")
+def jobs_events(job_id: str, limit: Annotated[int | None, typer.Option(min=1, max=100, help="Only the newest N.")] = None,
+                base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Print a job's events, oldest first: time, level, message (metrics summarised)."""
+    from app.cli_client import format_event, job_events
+
+    for event in _client_call(lambda: job_events(_client(base_url, api_key), job_id, limit=limit)):
+        typer.echo(format_event(event))
+
+
+@jobs_cli.command("watch")
+def jobs_watch(job_id: str, interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 2.0,
+               base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Follow a job's progress until it finishes; exit 0 if it succeeded, 1 otherwise."""
+    from app.cli_client import final_report, watch_job
+
+    job = _client_call(lambda: watch_job(_client(base_url, api_key), job_id, interval=interval, echo=typer.echo))
+    typer.echo(final_report(job))
+    raise typer.Exit(code=0 if job.status == "succeeded" else 1)
+
+
+@cli.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help="Model name, model directory or LoRA checkpoint directory.")],
+    data: Annotated[Path, typer.Option(help="JSONL rows: messages, optional tools schemas, item fields.")],
+    tools: Annotated[Path, typer.Option(help="JSON list of {name, server_url, headers?, parameters?}.")],
+    grader: Annotated[Path, typer.Option(help="Grader JSON, as in method.reinforcement.grader.")],
+    n: Annotated[int, typer.Option(min=1, help="Rollouts per row.")] = 1,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first LIMIT rows.")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
+    max_episode_steps: Annotated[int, typer.Option(min=1, help="Tool-call budget per rollout.")] = 10,
+    max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 256,
+    max_tokens_per_rollout: Annotated[int, typer.Option(min=1)] = 2048,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report and rollouts here.")] = None,
+) -> None:
+    """Evaluate MODEL (before or after training): graded rollouts with the training engine."""
+    from app.cli_client import evaluate
+    from workers.rl.rollout import EngineConfig
+
+    config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
+                          max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature)
+    _client_call(lambda: evaluate(model=model, data=data, tools_path=tools, grader_path=grader, n=n, limit=limit,
+                                  config=config, settings=get_settings(), json_out=json_out, echo=typer.echo))
 
 
 @cli.command()

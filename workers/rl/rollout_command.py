@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.rl.models import load_model
+from workers.rl.models import LoadedModel, load_model
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutRecord, RolloutSpec
 from workers.rl.summary import format_table, summarize
@@ -70,9 +70,31 @@ def format_transcript(index: int, record: RolloutRecord, *, width: int = 600) ->
     return "\n".join(lines)
 
 
-async def run_rollouts(model: str, specs: list[RolloutSpec], tools: list[dict[str, Any]], config: EngineConfig,
-                       allowlist: list[str]) -> list[RolloutRecord]:
-    loaded = load_model(model)
+def load_policy(model: str) -> LoadedModel:
+    """`model` as load_model names it, or a LoRA adapter directory (adapter_config.json, as a
+    trained checkpoint is saved): its base model is loaded and the adapter merged into it."""
+    adapter_config = Path(model).expanduser() / "adapter_config.json"
+    if not adapter_config.is_file():
+        return load_model(model)
+    from peft import PeftModel
+
+    try:
+        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RolloutInputError(f"{adapter_config}: cannot read base_model_name_or_path: {exc}") from exc
+    loaded = load_model(base)
+    try:
+        adapted = PeftModel.from_pretrained(loaded.model, str(adapter_config.parent))
+    except (OSError, ValueError) as exc:
+        raise RolloutInputError(f"{adapter_config.parent}: cannot load the LoRA adapter: {exc}") from exc
+    # Merged, generation runs at the base model's speed and needs no PEFT code path.
+    loaded.model = adapted.merge_and_unload().eval()
+    return loaded
+
+
+async def run_rollouts(model: str | LoadedModel, specs: list[RolloutSpec], tools: list[dict[str, Any]],
+                       config: EngineConfig, allowlist: list[str]) -> list[RolloutRecord]:
+    loaded = load_policy(model) if isinstance(model, str) else model
     async with ToolClient(tools, allowlist=allowlist) as client:
         engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client, config)
         return await engine.run(specs)
