@@ -254,7 +254,8 @@ def run_child(which: str, args: argparse.Namespace) -> dict[str, Any]:
                    "--max-tokens", str(args.max_tokens), "--mode", args.mode]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         started = time.perf_counter()
-        done = subprocess.run(command, cwd=REPO, env=env, timeout=CHILD_TIMEOUT_S, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=REPO, env=env, timeout=CHILD_TIMEOUT_S, capture_output=True, text=True,
+                              check=False)  # a failure is reported with its stderr below
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError(f"the {which} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         result = json.loads(out.read_text())
@@ -263,9 +264,14 @@ def run_child(which: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def trl_missing_reason() -> str | None:
+    """Why TRL's row is skipped, or None when `from trl import GRPOTrainer` works."""
+    advice = f"install the bench extra (pip install 'trl=={TRL_VERSION}') to compare against TRL's GRPOTrainer"
     if importlib.util.find_spec("trl") is None:
-        return (f"TRL is not installed, so only our trainer was measured: install the bench extra "
-                f"(pip install 'trl=={TRL_VERSION}') to compare against TRL's GRPOTrainer")
+        return f"TRL is not installed, so only our trainer was measured: {advice}"
+    try:
+        from trl import GRPOTrainer  # noqa: F401 - only checking that it imports
+    except Exception as exc:  # noqa: BLE001 - any import failure means the same: no TRL row
+        return f"TRL is installed but does not import ({type(exc).__name__}: {exc}); {advice}"
     return None
 
 
