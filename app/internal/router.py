@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import hmac
 import itertools
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
 from app.core.deps import CurrentKey, SessionDep, SettingsDep
 from app.core.errors import APIError
@@ -54,16 +53,6 @@ def _require_worker(
         raise APIError(401, "Incorrect worker token.", code="invalid_worker_token", headers=challenge)
 
 
-T = TypeVar("T")
-
-
-def _committed(session: Session, result: T) -> T:
-    """Commit before answering: a worker takes a 200 to mean "stored" (the request's session
-    would otherwise commit only after the response has gone out)."""
-    session.commit()
-    return result
-
-
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(_require_worker)])
 public_router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 Step = Annotated[int, Path(ge=0)]
@@ -72,15 +61,14 @@ Step = Annotated[int, Path(ge=0)]
 @router.post("/jobs/{job_id}/claim", response_model=ClaimResponse)
 def claim_job(job_id: str, body: ClaimRequest, session: SessionDep, settings: SettingsDep) -> ClaimResponse:
     """Take a queued job (or a running one whose worker's lease expired) under a new lease."""
-    claimed = service.claim(session=session, settings=settings, job_id=job_id, worker_id=body.worker_id)
-    return _committed(session, claimed)
+    return service.claim(session=session, settings=settings, job_id=job_id, worker_id=body.worker_id)
 
 
 @router.post("/jobs/{job_id}/heartbeat", response_model=HeartbeatResponse)
 def heartbeat(job_id: str, body: Leased, session: SessionDep, settings: SettingsDep) -> HeartbeatResponse:
     """Extend the lease; the answer says whether to continue, pause (save state) or cancel."""
     answer = service.heartbeat(session=session, settings=settings, job_id=job_id, lease_id=body.lease_id)
-    return _committed(session, answer)
+    return answer
 
 
 @router.get("/files/{file_id}/content", response_class=StreamingResponse)
@@ -100,37 +88,37 @@ def file_content(file_id: str, request: Request, session: SessionDep) -> Streami
 @router.put("/jobs/{job_id}/steps/{step}", response_model=StepResult)
 def push_step(job_id: str, step: Step, body: StepPush, session: SessionDep) -> StepResult:
     """A training step's metrics; the first push of a step stores them, a repeat changes nothing."""
-    return _committed(session, service.push_step(session=session, job_id=job_id, step=step, body=body))
+    return service.push_step(session=session, job_id=job_id, step=step, body=body)
 
 
 @router.post("/jobs/{job_id}/events", response_model=EventResult)
 def push_event(job_id: str, body: EventPush, session: SessionDep) -> EventResult:
     """A job event, written once per idempotency key."""
-    return _committed(session, service.push_event(session=session, job_id=job_id, body=body))
+    return service.push_event(session=session, job_id=job_id, body=body)
 
 
 @router.post("/jobs/{job_id}/rollouts", response_model=RolloutResult)
 def push_rollouts(job_id: str, body: RolloutPush, session: SessionDep) -> RolloutResult:
     """Rollout records of a step; a trace_id already stored is ignored."""
-    return _committed(session, service.push_rollouts(session=session, job_id=job_id, body=body))
+    return service.push_rollouts(session=session, job_id=job_id, body=body)
 
 
 @router.put("/jobs/{job_id}/checkpoints/{step}", response_model=CheckpointResult)
 def push_checkpoint(job_id: str, step: Step, body: CheckpointPush, session: SessionDep) -> CheckpointResult:
     """A checkpoint saved at `step`; the answer lists pruned checkpoints whose files to delete."""
-    return _committed(session, service.push_checkpoint(session=session, job_id=job_id, step=step, body=body))
+    return service.push_checkpoint(session=session, job_id=job_id, step=step, body=body)
 
 
 @router.post("/jobs/{job_id}/state", response_model=StateResult)
 def record_state(job_id: str, body: StatePush, session: SessionDep) -> StateResult:
     """The point a new worker resumes from: saved training state and steps done."""
-    return _committed(session, service.record_state(session=session, job_id=job_id, body=body))
+    return service.record_state(session=session, job_id=job_id, body=body)
 
 
 @router.post("/jobs/{job_id}/finish", response_model=FinishResult)
 def finish_job(job_id: str, body: FinishPush, session: SessionDep) -> FinishResult:
     """The end of this worker's run: succeeded, failed, or stopped after a pause or cancel."""
-    return _committed(session, service.finish(session=session, job_id=job_id, body=body))
+    return service.finish(session=session, job_id=job_id, body=body)
 
 
 @public_router.get("/{fine_tuning_job_id}/rollouts", response_model=ListPage[RolloutObject])
