@@ -268,11 +268,17 @@ def eval_command(
 
 
 @cli.command()
-def demo() -> None:
-    """Walk through the control plane on the embedded default (the training demo comes later)."""
+def demo(
+    model: Annotated[str | None, typer.Option(help="Model to train (default: examples/financial_reports/demo_config.py).")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Training steps (default: demo_config).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A tiny model and two steps: a smoke run in about a minute.")] = False,
+    workdir: Annotated[Path, typer.Option(help="Work directory, wiped at start (only one the demo made).")] = Path(".agent-rft-demo"),
+    seed: Annotated[int | None, typer.Option(help="Data and training seed.")] = None,
+) -> None:
+    """Train an agent to use real tools, end to end, on the embedded default; prints a before/after table."""
     from app.demo import run_demo
 
-    sys.exit(run_demo())
+    sys.exit(run_demo(model=model, steps=steps, quick=quick, workdir=workdir, seed=seed))
 
 
 def main() -> None:

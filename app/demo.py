@@ -1,165 +1,539 @@
-"""`agent-rft demo`: the control plane on the embedded default (SQLite + an embedded broker),
-driven with the official `openai` SDK exactly as a user would drive it."""
+"""`agent-rft demo`: an agent learns to use real tools, end to end, on the embedded default.
+
+Every part runs as it would for a user: the API (`agent-rft serve`), a training worker
+(`agent-rft worker`), the example tool server and grader server are separate processes on free
+127.0.0.1 ports sharing one data directory (SQLite, embedded broker); the demo drives the API
+with the official `openai` SDK and evaluates with `agent-rft eval` (the training engine) before
+and after training. All values come from examples/financial_reports/demo_config.py.
+
+The demo process itself never imports torch: models load in the worker and the eval processes,
+which the demo can stop at any moment. Children run in their own sessions; on success, failure,
+Ctrl-C, SIGTERM or an exhausted time budget every child's process group is terminated, then
+killed after a grace period, and the demo exits 0 only if every stage passed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
-import uvicorn
 
-from app.auth.service import create_project
-from app.core.config import Settings
-from app.core.db import make_engine, make_session_factory
-from app.core.migrations import upgrade
-from app.main import create_app
+from examples.financial_reports import demo_config
+from examples.financial_reports.demo_config import DemoConfig
 
-DATA_DIR = Path(".agent-rft-demo")
-TOOLS_URL = "http://127.0.0.1:8001/tools"  # nothing listens yet: no rollout runs in this walkthrough
-QUESTIONS = {"What was ACME's 2023 revenue in $M?": "412.5",
-             "What was ACME's 2023 operating margin in percent?": "18.2",
-             "How many employees did Globex report at the end of 2022?": "1840",
-             "What dividend per share did Initech pay in 2023, in $?": "1.12"}
-ARGS = {"query": {"type": "string", "description": "Words to look for."},
-        "path": {"type": "string", "description": "A report path, e.g. acme/2023/annual.txt."}}
-TOOL_SCHEMAS = [{"type": "function", "function": {"name": name, "description": about, "parameters": {
-    "type": "object", "properties": {arg: ARGS[arg]}, "required": [arg]}}}
-    for name, about, arg in [("search", "Full-text search over the financial reports.", "query"),
-                             ("list", "List the reports under a directory.", "path"),
-                             ("cat", "Print one report.", "path")]]
-GRADER = {"type": "multi", "name": "answer", "calculate_output": "max(exact, mentions)", "graders": {
-    "exact": {"type": "string_check", "name": "exact", "operation": "eq",
-              "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"},
-    "mentions": {"type": "string_check", "name": "mentions", "operation": "ilike",
-                 "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}}}
+REPO = Path(__file__).resolve().parents[1]
+MARKER = ".agent-rft-demo"  # written into the workdir: only a directory holding it is ever wiped
+GRACE_S = 5.0  # SIGTERM to SIGKILL
+POLL_S = 1.0
+EXIT_FAILED, EXIT_BUDGET, EXIT_INTERRUPTED = 1, 124, 130
 
 
-def _method(**hyperparameters: Any) -> dict[str, Any]:
-    tools = [{"name": name, "server_url": TOOLS_URL, "headers": {"Authorization": "Bearer demo-secret-token"}}
-             for name in ("search", "list", "cat")]
-    return {"type": "reinforcement", "reinforcement": {
-        "grader": GRADER, "tools": tools, "max_episode_steps": 10, "hyperparameters": hyperparameters}}
+class StageFailed(Exception):
+    """A stage could not complete; the message says why (with a log tail where one helps)."""
 
 
-def _prepare(data_dir: Path) -> tuple[Settings, str]:
-    shutil.rmtree(data_dir, ignore_errors=True)
-    # All explicit: a stray AGENT_RFT_* variable or .env must not point the demo elsewhere.
-    settings = Settings(_env_file=None, environment="dev", data_dir=data_dir.resolve(), database_url=None,
-                        broker_url=None, storage_dir=None, outbound_allowlist=["127.0.0.1"], auto_migrate=True)
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM. A KeyboardInterrupt, so that nothing on the way up swallows it."""
+
+
+class BudgetExceeded(KeyboardInterrupt):
+    """The demo's time budget ran out (SIGALRM)."""
+
+
+# --- child processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, chars: int = 2500) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+
+@dataclass
+class Children:
+    """The demo's processes, each leading its own process group, recorded in `pids.json`."""
+
+    workdir: Path
+    env: dict[str, str]
+    running: dict[str, Child] = field(default_factory=dict)
+    started: dict[str, int] = field(default_factory=dict)  # every child ever started: name -> pid
+
+    def start(self, name: str, argv: list[str]) -> Child:
+        log = self.workdir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as out:
+            # Own session: a terminal's Ctrl-C reaches the demo only, which then stops the groups in order.
+            proc = subprocess.Popen(argv, env=self.env, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.running[name] = child = Child(name, proc, log)
+        self.started[name] = proc.pid
+        # Every pid, also of children already stopped: what a test (or a user) checks for leftovers.
+        (self.workdir / "pids.json").write_text(json.dumps(self.started, indent=2))
+        return child
+
+    def check_alive(self) -> None:
+        for child in self.running.values():
+            if child.proc.poll() is not None:
+                raise StageFailed(f"{child.name} exited with status {child.proc.returncode}; "
+                                  f"end of {child.log}:\n{child.tail()}")
+
+    def stop_all(self) -> None:
+        _stop_groups(list(self.running.values()))
+        self.running.clear()
+
+
+def _stop_groups(children: list[Child]) -> None:
+    """SIGTERM every group, wait up to GRACE_S for all, SIGKILL the rest (a Celery worker's warm
+    shutdown would otherwise finish its training step first)."""
+    for child in children:
+        _signal_group(child.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        _signal_group(child.proc.pid, signal.SIGKILL)  # also reaps what a leader left behind in its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=GRACE_S)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(ready: Callable[[], Any], what: str, timeout: float, children: Children) -> Any:
+    """Poll `ready` until truthy; fail when a child dies meanwhile or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        children.check_alive()
+        result = ready()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise StageFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.25)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Demo:
+    config: DemoConfig
+    workdir: Path
+    children: Children
+    ports: dict[str, int]
+    started: float = field(default_factory=time.monotonic)
+    stage: str = "setup"
+    timings: dict[str, float] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        self.stage = name
+        print(f"\n== {name}", flush=True)
+        began = time.monotonic()
+        yield
+        self.timings[name] = round(time.monotonic() - began, 1)
+
+    def url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.ports[service]}"
+
+
+def python_argv(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def cli_argv(*args: str) -> list[str]:
+    return python_argv("-m", "app.cli", *args)
+
+
+def prepare_workdir(workdir: Path) -> Path:
+    """Wipe the demo's previous run, refusing any directory the demo did not create."""
+    workdir = workdir.expanduser().resolve()
+    if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).is_file():
+        raise StageFailed(f"{workdir} is not empty and was not made by the demo; pass another --workdir")
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    (workdir / MARKER).write_text("made by `agent-rft demo`; wiped at its next start\n")
+    return workdir
+
+
+def child_env(workdir: Path, api_url: str) -> dict[str, str]:
+    # No inherited AGENT_RFT_* setting may point the demo at another database or broker.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_RFT_")}
+    env.update({"AGENT_RFT_DATA_DIR": str(workdir), "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1",
+                "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": secrets.token_urlsafe(32),
+                "AGENT_RFT_AUTO_MIGRATE": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+    return env
+
+
+# --- stage 1: data ----------------------------------------------------------------------------------
+
+
+def make_data(demo: Demo) -> dict[str, Path]:
+    from examples.financial_reports.corpus import read_jsonl, write_jsonl, write_split
+    from examples.financial_reports.synthetic import write_synthetic
+
+    cfg, data = demo.config, demo.workdir / "data"
+    corpus = write_synthetic(data, seed=cfg.seed, n_companies=cfg.companies, years=cfg.years)
+    train_path, valid_path = write_split(data, valid_fraction=cfg.valid_fraction, seed=cfg.seed)
+    train, held_out = read_jsonl(train_path), read_jsonl(valid_path)[: cfg.held_out_rows]
+    if not train or not held_out:
+        raise StageFailed(f"the split left {len(train)} training and {len(held_out)} held-out rows; "
+                          "raise companies or years in demo_config")
+    train, n_epochs = size_training(train, cfg.steps, cfg.hyperparameters["batch_size"])
+    system = {"role": "system", "content": cfg.system_prompt}
+    paths = {"corpus": corpus, "train": data / "demo-train.jsonl", "held_out": data / "demo-held-out.jsonl"}
+    write_jsonl(paths["train"], ({**row, "messages": [system, *row["messages"]]} for row in train))
+    write_jsonl(paths["held_out"], ({**row, "messages": [system, *row["messages"]]} for row in held_out))
+    demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "train_rows": len(train),
+                           "held_out_rows": len(held_out), "n_epochs": n_epochs}
+    print(f"{demo.report['data']['documents']} reports; {len(train)} training questions "
+          f"({n_epochs} epoch(s)), {len(held_out)} held-out questions (other reports) in {data}")
+    return paths
+
+
+def size_training(rows: list[dict[str, Any]], steps: int, batch_size: int) -> tuple[list[dict[str, Any]], int]:
+    """The rows and epochs for about `steps` steps (steps = ceil(epochs x rows / batch_size))."""
+    wanted = steps * batch_size
+    if len(rows) >= wanted:
+        return rows[:wanted], 1
+    return rows, math.ceil(wanted / len(rows))
+
+
+# --- stage 2: services ------------------------------------------------------------------------------
+
+
+def start_services(demo: Demo, corpus: Path) -> None:
+    cfg, children = demo.config, demo.children
+    api, tools, grader = demo.url("api"), demo.url("tools"), demo.url("grader")
+    services = [
+        ("api", cli_argv("serve", "--host", "127.0.0.1", "--port", str(demo.ports["api"])), f"{api}/healthz"),
+        ("tools", python_argv("-m", "examples.financial_reports.server", "--corpus", str(corpus),
+                              "--port", str(demo.ports["tools"])), f"{tools}/healthz"),
+        ("grader", python_argv("-m", "examples.financial_reports.grader_server", "--tool-server", tools,
+                               "--port", str(demo.ports["grader"])), f"{grader}/healthz"),
+    ]
+    for name, argv, _ in services:
+        children.start(name, argv)
+    worker = children.start("worker", cli_argv("worker", "--loglevel", "info"))
+    for name, _, health in services:
+        wait_until(lambda url=health: http_ok(url), f"the {name} server ({health})", cfg.startup_timeout_s, children)
+        print(f"{name:7} ready at {demo.url(name)}  (log: {children.running[name].log})")
+    wait_until(lambda: "ready" in worker.tail(100_000), "the worker", cfg.startup_timeout_s, children)
+    print(f"worker  ready  (log: {worker.log})")
+
+
+def create_project(workdir: Path) -> str:
+    from app.auth.service import create_project as create
+    from app.core.config import Settings
+    from app.core.db import make_engine, make_session_factory
+    from app.core.migrations import upgrade
+
+    settings = Settings(_env_file=None, data_dir=workdir, database_url=None, broker_url=None)
     upgrade(settings.resolved_database_url)
     engine = make_engine(settings.resolved_database_url)
     with make_session_factory(engine).begin() as session:
-        key = create_project(session=session, name="demo").secret
+        key = create(session=session, name="demo").secret
     engine.dispose()
-    return settings, key
+    return key
 
 
-def _start_server(settings: Settings) -> tuple[uvicorn.Server, threading.Thread, int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held until the server takes the socket over
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="demo-server", daemon=True)
-    thread.start()
-    _wait(lambda: server.started or not thread.is_alive(), "the server to start")
-    if not server.started:
-        raise RuntimeError("the server did not start (see the log above)")
-    return server, thread, sock.getsockname()[1]
+# --- stages 3-7: upload, evaluate, train --------------------------------------------------------------
 
 
-def _wait(ready: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := ready()):
+def job_tools(tools_url: str) -> list[dict[str, Any]]:
+    from examples.financial_reports.server import TOOL_SCHEMAS
+
+    return [{"name": s["function"]["name"], "server_url": f"{tools_url}/tools",
+             "description": s["function"]["description"], "parameters": s["function"]["parameters"]}
+            for s in TOOL_SCHEMAS]
+
+
+def grader(cfg: DemoConfig, grader_url: str) -> dict[str, Any]:
+    if cfg.grader == "endpoint":
+        return {"type": "endpoint", "name": "answer", "url": f"{grader_url}/grade"}
+    if cfg.grader == "numeric_match":
+        return {"type": "numeric_match", "name": "answer", "reference": "{{item.answer}}", "scale": "{{item.scale}}"}
+    raise StageFailed(f"demo_config grader must be 'endpoint' or 'numeric_match', got {cfg.grader!r}")
+
+
+def upload(client: openai.OpenAI, paths: dict[str, Path]) -> dict[str, str]:
+    ids = {}
+    for key in ("train", "held_out"):
+        with paths[key].open("rb") as fh:
+            uploaded = client.files.create(file=(paths[key].name, fh), purpose="fine-tune")
+        ids[key] = uploaded.id
+        print(f"uploaded {paths[key].name}: {uploaded.id} ({uploaded.bytes} bytes)")
+    return ids
+
+
+def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict[str, Any]:
+    """`agent-rft eval` on the held-out rows, in a child process the demo can stop at any time."""
+    cfg, out = demo.config, demo.workdir / f"eval-{label}.json"
+    x = cfg.x_open_model
+    argv = cli_argv("eval", "--model", model, "--data", str(paths["held_out"]), "--tools", str(paths["tools"]),
+                    "--grader", str(paths["grader"]), "--n", str(cfg.eval_rollouts_per_row),
+                    "--temperature", str(cfg.eval_temperature), "--max-episode-steps", str(cfg.max_episode_steps),
+                    "--max-tokens-per-turn", str(x.get("max_tokens_per_turn", 256)),
+                    "--max-tokens-per-rollout", str(x.get("max_tokens_per_rollout", 2048)), "--json", str(out))
+    child = demo.children.start(f"eval-{label}", argv)
+    deadline = time.monotonic() + cfg.job_timeout_s
+    while child.proc.poll() is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return result
+            raise StageFailed(f"the {label} evaluation took over {cfg.job_timeout_s:.0f} s")
+        time.sleep(0.2)
+    _stop_groups([demo.children.running.pop(child.name)])  # anything the eval left in its group
+    if child.proc.returncode != 0 or not out.is_file():
+        raise StageFailed(f"`agent-rft eval` exited with status {child.proc.returncode}:\n{child.tail()}")
+    report = json.loads(out.read_text())
+    report.pop("rollouts", None)  # the transcripts stay in eval-<label>.json
+    summary = report["summary"]
+    print(f"{label}: pass rate {report['accuracy']['pass_rate']:.0%}, mean reward "
+          f"{report['accuracy']['mean_reward']:.3f}, {summary.get('tool_calls_per_rollout', 0):.2f} tool calls, "
+          f"{summary.get('completion_tokens_per_rollout', 0):.0f} tokens, "
+          f"{summary.get('wall_time_s_mean', 0):.1f} s per rollout  (details: {out})")
+    return report
 
 
-def _events(client: openai.OpenAI, job_id: str) -> list[Any]:
-    return list(reversed(client.fine_tuning.jobs.list_events(job_id, limit=100).data))  # oldest first
+def create_job(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> Any:
+    cfg = demo.config
+    hyperparameters = {**cfg.hyperparameters, "n_epochs": demo.report["data"]["n_epochs"]}
+    job = client.fine_tuning.jobs.create(
+        model=cfg.model, training_file=files["train"], validation_file=files["held_out"], seed=cfg.seed,
+        metadata={"demo": "financial-reports"},
+        method={"type": "reinforcement", "reinforcement": {
+            "grader": grader(cfg, demo.url("grader")), "tools": job_tools(demo.url("tools")),
+            "max_episode_steps": cfg.max_episode_steps, "hyperparameters": hyperparameters,
+            "x_open_model": cfg.x_open_model}})
+    print(f"created job {job.id} ({cfg.model}, {hyperparameters})")
+    return job
 
 
-def _wait_for_handoff(client: openai.OpenAI, job_id: str, count: int) -> None:
-    """A queued job reaches the broker just after its status commits; wait for that event."""
-    _wait(lambda: sum("task_id" in (e.data or {}) or e.level != "info" for e in _events(client, job_id)) >= count,
-          "the hand-off to the training queue")
+def follow_job(demo: Demo, client: openai.OpenAI, job_id: str) -> Any:
+    """Poll until the job is final, printing one line per training step."""
+    from app.cli_client import FINAL_STATUSES, metrics_events, summarize_metrics
+
+    seen: set[int] = set()
+    status = None
+    deadline = time.monotonic() + demo.config.job_timeout_s
+    while True:
+        demo.children.check_alive()
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        for event in metrics_events(client, job_id):  # read after the job: a final job's steps are all in
+            if event.data.get("step") not in seen:
+                seen.add(event.data.get("step"))
+                print(f"  {summarize_metrics(event.data)}", flush=True)
+        if job.status != status:
+            status = job.status
+            print(f"job {status}", flush=True)
+        if job.status in FINAL_STATUSES:
+            return job
+        if time.monotonic() > deadline:
+            raise StageFailed(f"training did not finish within {demo.config.job_timeout_s:.0f} s")
+        time.sleep(POLL_S)
 
 
-def _upload(client: openai.OpenAI, data_dir: Path) -> str:
-    path = data_dir / "financial_reports.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}], "tools": TOOL_SCHEMAS,
-                                        "reference_answer": a}) + "\n" for q, a in QUESTIONS.items()))
-    with path.open("rb") as fh:
-        file = client.files.create(file=fh, purpose="fine-tune")
-    print(f"Uploaded {path.name}: {file.id} ({file.bytes} bytes, status {file.status})")
-    return file.id
+def final_checkpoint(workdir: Path, job_id: str) -> Path:
+    """The latest step-N the worker saved (docs/training.md: `<checkpoint dir>/<job>/checkpoints/step-N`)."""
+    root = workdir / "checkpoints" / job_id / "checkpoints"
+    steps = [p for p in root.glob("step-*") if p.name.removeprefix("step-").isdigit() and p.is_dir()]
+    if not steps:
+        raise StageFailed(f"the job succeeded but no checkpoint is under {root}")
+    return max(steps, key=lambda p: int(p.name.removeprefix("step-")))
 
 
-def _create_job(client: openai.OpenAI, file_id: str) -> str:
-    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=file_id,
-                                         method=_method(compute_multiplier=1, batch_size=2),
-                                         metadata={"demo": "financial-reports"})
-    print(f"Created job {job.id}: status {job.status}")
-    job = _wait(lambda: (j := client.fine_tuning.jobs.retrieve(job.id)).status != "validating_files" and j,
-                "file validation")
-    if job.status != "queued":
-        raise RuntimeError(f"the job did not pass validation: {job.status} {job.error}")
-    print(f"Files validated: status {job.status}. The tools as the API shows them back:")
-    for tool in job.method.reinforcement.model_extra["tools"]:  # agent fields are extras to the SDK's types
-        print(f"  {tool['name']:<6} -> {tool['server_url']}  headers: {tool['headers']}")
-    _wait_for_handoff(client, job.id, 1)
-    return job.id
+# --- the table --------------------------------------------------------------------------------------
 
 
-def _pause_resume_cancel(client: openai.OpenAI, job_id: str) -> None:
-    for action in ("pause", "resume", "cancel"):
-        print(f"{action:>6}: status {getattr(client.fine_tuning.jobs, action)(job_id).status}")
-        if action == "resume":
-            _wait_for_handoff(client, job_id, 2)
-    print("Events, oldest first:")
-    for event in _events(client, job_id):
-        print(f"  [{event.level:<5}] {event.message}")
-    print(f"Checkpoints: {len(client.fine_tuning.jobs.checkpoints.list(job_id).data)} (no training has run)")
+def comparison_rows(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
+    def both(fmt: Callable[[dict[str, Any]], str]) -> tuple[str, str]:
+        return fmt(before), fmt(after)
+
+    def number(path: tuple[str, ...], spec: str) -> Callable[[dict[str, Any]], str]:
+        def read(report: dict[str, Any]) -> str:
+            value: Any = report
+            for key in path:
+                value = value.get(key, {}) if isinstance(value, dict) else None
+            return format(value, spec) if isinstance(value, (int, float)) else "-"
+        return read
+
+    rows = [("accuracy (pass rate)", *both(number(("accuracy", "pass_rate"), ".0%"))),
+            ("mean reward", *both(number(("accuracy", "mean_reward"), ".3f"))),
+            ("tool calls per rollout", *both(number(("summary", "tool_calls_per_rollout"), ".2f")))]
+    tools = sorted({*before["summary"].get("tool_calls_per_rollout_by_tool", {}),
+                    *after["summary"].get("tool_calls_per_rollout_by_tool", {})})
+    rows += [(f"  {tool}", *both(number(("summary", "tool_calls_per_rollout_by_tool", tool), ".2f"))) for tool in tools]
+    rows += [("tokens per rollout", *both(number(("summary", "completion_tokens_per_rollout"), ".1f"))),
+             ("seconds per rollout", *both(number(("summary", "wall_time_s_mean"), ".2f")))]
+    return rows
 
 
-def _bad_request(client: openai.OpenAI, file_id: str) -> None:
+def format_comparison(rows: list[tuple[str, str, str]]) -> str:
+    lines = [f"{'':26}{'before':>10}{'after':>10}"]
+    lines += [f"{name:26}{b:>10}{a:>10}" for name, b, a in rows]
+    return "\n".join(lines)
+
+
+# --- the whole demo ---------------------------------------------------------------------------------
+
+
+def stages(demo: Demo) -> None:
+    cfg = demo.config
+    with demo.step("1/8 data: synthetic annual reports and questions"):
+        paths = make_data(demo)
+        paths["tools"] = demo.workdir / "tools.json"
+        paths["tools"].write_text(json.dumps(job_tools(demo.url("tools")), indent=2))
+        paths["grader"] = demo.workdir / "grader.json"
+        paths["grader"].write_text(json.dumps(grader(cfg, demo.url("grader"))))
+    with demo.step("2/8 services: API, worker, tool server, grader"):
+        key = create_project(demo.workdir)
+        start_services(demo, paths["corpus"])
+    client = openai.OpenAI(base_url=f"{demo.url('api')}/v1", api_key=key, max_retries=2)
+    with demo.step("3/8 upload (openai SDK)"):
+        files = upload(client, paths)
+    with demo.step("4/8 variance diagnostic"):
+        print("skipped: the variance diagnostic is not built yet")
+    with demo.step(f"5/8 before: {cfg.model} on the held-out questions"):
+        demo.report["before"] = evaluate(demo, "before", cfg.model, paths)
+    with demo.step("6/8 train (reinforcement fine-tuning)"):
+        job = follow_job(demo, client, create_job(demo, client, files).id)
+        demo.report["job"] = {"id": job.id, "status": job.status, "fine_tuned_model": job.fine_tuned_model,
+                              "error": job.error.model_dump() if job.error and job.error.message else None}
+        if job.status != "succeeded":
+            error = f": {job.error.code}: {job.error.message}" if job.error and job.error.message else ""
+            raise StageFailed(f"the job ended {job.status}{error}\nend of the worker log:\n"
+                              f"{demo.children.running['worker'].tail()}")
+        print(f"succeeded: {job.fine_tuned_model}")
+    with demo.step("7/8 after: the final checkpoint on the held-out questions"):
+        checkpoint = final_checkpoint(demo.workdir, job.id)
+        demo.report["checkpoint"] = str(checkpoint)
+        demo.report["after"] = evaluate(demo, "after", str(checkpoint), paths)
+    with demo.step("8/8 results"):
+        print(format_comparison(comparison_rows(demo.report["before"], demo.report["after"])))
+        print(f"\nAPI docs: {demo.url('api')}/docs  (the dashboard is not built yet)")
+
+
+def install_signal_handlers(budget_s: float) -> dict[int, Any]:
+    def interrupted(signum: int, _frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    def out_of_time(_signum: int, _frame: Any) -> None:
+        raise BudgetExceeded(f"the demo's time budget of {budget_s:.0f} s ran out")
+
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, budget_s)
+    return previous
+
+
+def restore_signal_handlers(previous: dict[int, Any]) -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool = False,
+             workdir: Path = Path(".agent-rft-demo"), seed: int | None = None) -> int:
+    base = demo_config.QUICK if quick else demo_config.DEMO
+    config = replace(base, **{k: v for k, v in (("model", model), ("steps", steps), ("seed", seed)) if v is not None})
+    if config.steps < 1:
+        print(f"demo failed at setup: --steps must be at least 1, got {config.steps}", file=sys.stderr)
+        return EXIT_FAILED
     try:
-        client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=file_id,
-                                       method=_method(compute_multiplier=99))
-    except openai.BadRequestError as exc:
-        print(f"A bad request (compute_multiplier=99) is refused and no job is created: HTTP {exc.status_code}\n"
-              f"  code: {exc.code}\n  param: {exc.param}\n  message: {exc.body['message']}")
-    else:
-        raise RuntimeError("the out-of-range compute_multiplier was accepted")
-
-
-def run_demo() -> int:
-    print(f"agent-rft demo: the control plane on the embedded default (SQLite + embedded broker in {DATA_DIR}/)")
-    server = None
+        workdir = prepare_workdir(workdir)
+    except (StageFailed, OSError) as exc:
+        print(f"demo failed at setup: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    ports = {name: free_port() for name in ("api", "tools", "grader")}
+    demo = Demo(config, workdir, Children(workdir, child_env(workdir, f"http://127.0.0.1:{ports['api']}")), ports)
+    print(f"agent-rft demo: {config.model}, {config.steps} training steps, budget {config.time_budget_s / 60:.0f} min, "
+          f"everything in {workdir}")
+    previous = install_signal_handlers(config.time_budget_s)
+    code, outcome = EXIT_FAILED, "failed"
     try:
-        settings, key = _prepare(DATA_DIR)
-        print("Migrated a fresh database; created project 'demo' and an API key (only its SHA-256 hash is stored).")
-        server, thread, port = _start_server(settings)
-        print(f"Serving the API on http://127.0.0.1:{port} (OpenAPI docs at /docs); the openai SDK from here on.\n")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
-        file_id = _upload(client, DATA_DIR)
-        _pause_resume_cancel(client, _create_job(client, file_id))
-        _bad_request(client, file_id)
-    except Exception as exc:  # noqa: BLE001 - the demo reports any failure in one line
-        print(f"\ndemo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        stages(demo)
+        code, outcome = 0, "succeeded"
+    except BudgetExceeded as exc:
+        code, outcome = EXIT_BUDGET, f"stopped at stage '{demo.stage}': {exc}"
+    except Interrupted as exc:
+        code, outcome = EXIT_INTERRUPTED, f"interrupted ({exc}) at stage '{demo.stage}'"
+    except Exception as exc:  # noqa: BLE001 - any failure ends the demo the same way: its stage, cleanup, status 1
+        reason = str(exc) if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
+        outcome = f"failed at stage '{demo.stage}': {reason}"
     finally:
-        if server is not None:
-            server.should_exit = True
-            thread.join(timeout=10)
-    print("\nServer stopped. The training demo (an agent learning to use real tools) is not built yet, "
-          "so this walkthrough shows the control plane only.")
-    return 0
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        # A second Ctrl-C while stopping must not leave children behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        demo.children.stop_all()
+        restore_signal_handlers(previous)
+    wall = time.monotonic() - demo.started
+    write_report(demo, outcome, wall)
+    stream = sys.stdout if code == 0 else sys.stderr
+    print(f"\ndemo {outcome} in {wall:.0f} s; all processes stopped; report: {workdir / 'demo-report.json'}",
+          file=stream, flush=True)
+    return code
+
+
+def write_report(demo: Demo, outcome: str, wall: float) -> None:
+    report = {"outcome": outcome, "failed_stage": None if outcome == "succeeded" else demo.stage,
+              "wall_time_s": round(wall, 1), "stage_seconds": demo.timings, "config": asdict(demo.config),
+              "api_url": demo.url("api"), "docs_url": f"{demo.url('api')}/docs", **demo.report}
+    with contextlib.suppress(OSError):
+        (demo.workdir / "demo-report.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.demo`: the same run as `agent-rft demo`, with the same options."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="agent-rft demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help=f"model to train (default {demo_config.DEMO.model})")
+    parser.add_argument("--steps", type=int, help=f"training steps (default {demo_config.DEMO.steps})")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and two steps: a smoke run in minutes")
+    parser.add_argument("--workdir", type=Path, default=Path(".agent-rft-demo"), help="wiped at start")
+    parser.add_argument("--seed", type=int, help="data and training seed")
+    args = parser.parse_args(argv)
+    return run_demo(model=args.model, steps=args.steps, quick=args.quick, workdir=args.workdir, seed=args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The demo, on the embedded default (SQLite + an embedded broker: no PostgreSQL or Redis needed).
+# The demo (`make demo`): an agent learns to use real tools, on the embedded default (SQLite +
+# an embedded broker: no PostgreSQL or Redis needed). Arguments go to `agent-rft demo` (e.g. --quick).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}

@@ -1,0 +1,101 @@
+"""`agent-rft demo --quick`, as a user runs it: a subprocess that starts the API, a worker, the
+example tool and grader servers, evaluates a tiny model, trains it for two steps, evaluates the
+checkpoint and stops every process it started; and Ctrl-C in the middle stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import wait_for
+
+AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
+DEMO = [AGENT_RFT, "demo", "--quick"]
+
+
+def env_without_settings() -> dict[str, str]:
+    # The demo must not need (or pick up) the suite's PostgreSQL and Redis settings.
+    return {k: v for k, v in os.environ.items() if not k.startswith("AGENT_RFT_")}
+
+
+def leftover_processes(workdir: Path) -> list[str]:
+    """Processes still alive that the demo started: by the pids it recorded, and any process
+    whose environment points at its data directory (grandchildren included)."""
+    pids = set(json.loads((workdir / "pids.json").read_text()).values())
+    marker = f"AGENT_RFT_DATA_DIR={workdir}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.add(int(entry.name))
+            except OSError:
+                continue  # gone, or not ours to read
+    return [f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()!r}" for pid in sorted(pids) if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_quick_demo_evaluates_trains_and_compares(tmp_path):
+    workdir = tmp_path / "demo"
+    result = subprocess.run([*DEMO, "--workdir", str(workdir)], env=env_without_settings(), capture_output=True,
+                            text=True, timeout=300, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for line in ("before", "after", "accuracy (pass rate)", "tool calls per rollout", "tokens per rollout",
+                 "seconds per rollout", "/docs", "variance diagnostic", "demo succeeded"):
+        assert line in result.stdout, output[-4000:]
+
+    report = json.loads((workdir / "demo-report.json").read_text())
+    assert report["outcome"] == "succeeded" and report["failed_stage"] is None
+    assert report["job"]["status"] == "succeeded" and report["job"]["fine_tuned_model"].startswith("ft:tiny-smollm2")
+    for label in ("before", "after"):
+        assert report[label]["summary"]["rollouts"] == report["data"]["held_out_rows"]
+        assert 0 <= report[label]["accuracy"]["pass_rate"] <= 1
+    assert report["after"]["model"] == report["checkpoint"]
+    assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
+    assert report["wall_time_s"] < 300
+    assert leftover_processes(workdir) == []
+
+
+def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):
+    workdir = tmp_path / "demo"
+    log = tmp_path / "demo.log"
+    with log.open("w") as out:
+        demo = subprocess.Popen([*DEMO, "--workdir", str(workdir)], env=env_without_settings(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # Mid-run: every service has been started.
+        wait_for(lambda: (workdir / "pids.json").is_file() and "worker" in (workdir / "pids.json").read_text()
+                 or demo.poll() is not None, timeout=120, interval=0.2)
+        assert demo.poll() is None, log.read_text()
+        demo.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        code = demo.wait(timeout=30)
+        assert time.monotonic() - started < 30
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert code != 0
+    assert "interrupted (SIGINT)" in log.read_text()
+    assert leftover_processes(workdir) == []
+    assert json.loads((workdir / "demo-report.json").read_text())["failed_stage"]
+
+
+def test_a_directory_the_demo_did_not_make_is_never_wiped(tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    result = subprocess.run([*DEMO, "--workdir", str(tmp_path)], env=env_without_settings(), capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode != 0
+    assert "was not made by the demo" in result.stderr
+    assert precious.read_text() == "keep me"
