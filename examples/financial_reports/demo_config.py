@@ -26,23 +26,24 @@ class DemoConfig:
     companies: int = 8  # synthetic companies; 3 questions per company and year
     years: tuple[int, ...] = (2021, 2022, 2023)
     valid_fraction: float = 0.2  # share of the reports held out (split by report, never by question)
-    held_out_rows: int = 12  # held-out questions evaluated before and after (and used as validation)
+    held_out_rows: int = 6  # held-out questions evaluated before and after (and used as validation)
     system_prompt: str = SYSTEM_PROMPT
 
     # --- grading: "endpoint" (the example grader server: right number x efficiency) or "numeric_match" ---
     grader: str = "endpoint"
 
     # --- training (method.reinforcement) ---
-    # Training steps; the training rows are sized so that the job runs this many. Measured on 2 CPU
-    # cores: ~130 s per step at these sizes, ~55 s per evaluation, ~20 s to start the services.
-    steps: int = 5
-    max_episode_steps: int = 3  # tool-call budget per rollout
+    # Training steps; the training rows are sized so that the job runs this many. Sized from
+    # benchmarks/demo_learning (2 CPU cores): 16 rollouts of at most 96 tokens take 53-107 s per
+    # step, slower as the model learns to call tools; a held-out evaluation ~1 min.
+    steps: int = 3
+    max_episode_steps: int = 2  # tool-call budget per rollout
     hyperparameters: dict[str, Any] = field(default_factory=lambda: {
         "batch_size": 4, "compute_multiplier": 1, "learning_rate_multiplier": 2,
         "eval_interval": 100, "eval_samples": 4})  # eval_interval > steps: evaluated at the last step only
     x_open_model: dict[str, Any] = field(default_factory=lambda: {
         "training_mode": "lora", "lora_rank": 16, "loss": "grpo", "kl_coef": 0.0,
-        "max_tokens_per_turn": 96, "max_tokens_per_rollout": 256, "temperature": 0.7})
+        "max_tokens_per_turn": 48, "max_tokens_per_rollout": 96, "temperature": 0.7})
 
     # --- evaluation before and after (same engine as training) ---
     eval_rollouts_per_row: int = 1
