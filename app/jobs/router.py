@@ -40,7 +40,7 @@ def create_job(
         session=session, settings=settings, project_id=principal.project_id, body=body, idempotency_key=idempotency_key
     )
     if created:
-        session.commit()  # the validator runs in another session and must see the job
+        # Runs after the response, so after SessionDep's commit: the validator sees the job.
         background.add_task(_validate_later, request, job.id)
     return job
 
@@ -65,8 +65,7 @@ def _action(action: str):  # noqa: ANN202
         fine_tuning_job_id: str, request: Request, background: BackgroundTasks, principal: CurrentKey, session: SessionDep
     ) -> JobObject:
         job = service.apply_action(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id, action=action)
-        if action == "resume":
-            session.commit()
+        if action == "resume":  # after SessionDep's commit, as above
             background.add_task(_send_later, request, job.id)
         return job
 
