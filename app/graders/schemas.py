@@ -72,6 +72,9 @@ class NumericMatchGrader(_Grader):
     abs_tol: float = Field(1e-9, ge=0)
     # Which number of the answer counts when it holds several: the first, the last, or the only one.
     pick: Literal["first", "last", "only"] = "last"
+    # Skip bare years ("In 2023, revenue was $5.1 million"): they are rarely the answer and would
+    # otherwise be picked as the first (or last) number.
+    ignore_years: bool = False
     pass_threshold: float | None = None
 
     _templates = field_validator("input", "reference", "scale")(_valid_template)

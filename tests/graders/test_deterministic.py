@@ -351,6 +351,25 @@ def test_numeric_match_pick(pick: str, reward: float) -> None:
     assert numeric("12 apples and 7 oranges", "12", pick=pick).reward == reward
 
 
+@pytest.mark.parametrize(("answer", "pick", "reward"), [
+    ("In 2023, net income was $66,553 thousand, down 9.6% from 2022.", "first", 1.0),
+    ("In 2023, net income was $66,553 thousand.", "only", 1.0),
+    ("acme/2023/annual-report.md: net income 66,553 (2022: 70,100)", "first", 1.0),
+    ("Net income in 2023: 66553", "last", 1.0),
+    ("In 2023 it fell, and in 2022 it rose.", "first", 0.0),  # nothing but years: no number to read
+])
+def test_numeric_match_ignore_years(answer: str, pick: str, reward: float) -> None:
+    assert numeric(answer, "66553", "thousand", pick=pick, ignore_years=True).reward == reward
+    if reward:  # without the option the year is read first (or is one of several numbers)
+        assert numeric(answer, "66553", "thousand", pick=pick).reward == (1.0 if pick == "last" else 0.0)
+
+
+def test_numeric_match_ignore_years_keeps_amounts_that_look_like_years() -> None:
+    cases = {"$2,023": "2023", "2023.0": "2023", "2023 million": "2023 million", "(2023)": "-2023", "-2023": "-2023"}
+    for answer, reference in cases.items():
+        assert numeric(f"In 2022: {answer}", reference, pick="last", ignore_years=True).reward == 1.0, answer
+
+
 def test_numeric_match_pick_only_with_one_number() -> None:
     assert numeric("About 12 apples.", "12", pick="only").reward == 1.0
 

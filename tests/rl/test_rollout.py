@@ -83,7 +83,19 @@ def test_tool_budget_is_enforced_and_announced(tokenizer):
     record = records[0]
     assert record.finish_reason == "tool_budget"
     assert len(recorder.calls) == 2 and len(record.tool_calls) == 2
-    assert any("used all your tool calls" in m["content"] for m in record.messages if m["role"] == "user")
+    notice = [m["content"] for m in record.messages if m["role"] == "user" and "used all your tool calls" in m["content"]]
+    # The notice repeats the question, so a small model answers it rather than the tool output.
+    assert len(notice) == 1 and notice[0].endswith("The question: " + record.messages[0]["content"])
+
+
+def test_budget_notice_repeats_a_long_question_cut_short():
+    from workers.rl.rollout import QUESTION_ECHO_CHARS, budget_spent_message
+
+    short = budget_spent_message([{"role": "system", "content": "sys"}, {"role": "user", "content": " What was X? "}])
+    assert short == "You have used all your tool calls. Answer now, without calling tools. The question: What was X?"
+    long = budget_spent_message([{"role": "user", "content": "why " * 400}])
+    assert long.endswith("…") and len(long) < QUESTION_ECHO_CHARS + 100
+    assert budget_spent_message([{"role": "user", "content": [{"type": "text", "text": "x"}]}]).endswith("tools.")
 
 
 def test_client_errors_reach_the_model_and_server_errors_end_the_rollout(tokenizer):

@@ -54,6 +54,7 @@ class ToolCallRecord:
     bytes: int
     error: str | None
     truncated: bool = False
+    turn: int = 0  # the assistant turn that made the call; calls of one turn run concurrently
 
 
 @dataclass
@@ -273,7 +274,7 @@ class _Episode:
         if dropped:
             parts.append(f"{dropped} tool call(s) were not run: the budget of {self.cfg.max_episode_steps} tool calls is spent.")
         if used >= self.cfg.max_episode_steps:
-            parts.append("You have used all your tool calls. Answer now, without calling tools.")
+            parts.append(budget_spent_message(self.spec.messages))
         return "\n".join(parts)
 
     async def _call_tool(self, call: Any) -> Any:
@@ -282,7 +283,7 @@ class _Episode:
         self.record.tool_calls.append(ToolCallRecord(
             call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=result.status,
             status_code=result.status_code, latency_s=result.latency_s, bytes=result.bytes, error=result.error,
-            truncated=result.truncated,
+            truncated=result.truncated, turn=self.record.turns,
         ))
         return result
 
@@ -295,6 +296,25 @@ class _Episode:
         self._append(ids, sampled=False)
         self.record.tool_output_tokens += len(ids)
         return True
+
+
+QUESTION_ECHO_CHARS = 500
+
+
+def budget_spent_message(messages: list[dict[str, Any]]) -> str:
+    """What the policy reads once its tool-call budget is spent: answer now, and the question again.
+
+    Repeating the last user message (cut at QUESTION_ECHO_CHARS) keeps a small model on the task:
+    SmolLM2-135M, told only "answer now" after a search result, mostly answered with noise or a copy
+    of the result; with the question repeated it answered the question (docs/rollouts.md)."""
+    question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
+    text = "You have used all your tool calls. Answer now, without calling tools."
+    if isinstance(question, str) and question.strip():
+        question = question.strip()
+        if len(question) > QUESTION_ECHO_CHARS:
+            question = question[:QUESTION_ECHO_CHARS].rstrip() + "…"
+        text += f" The question: {question}"
+    return text
 
 
 def dumps_record(record: RolloutRecord) -> str:

@@ -90,17 +90,27 @@ def find_amounts(text: str) -> list[Amount]:
     return [_amount(m) for m in _NUMBER.finditer(text)]
 
 
-def pick_amount(text: str, pick: str) -> Amount | None:
+_YEAR = re.compile(r"(?:19|20)\d\d")
+
+
+def _is_year(match: re.Match[str]) -> bool:
+    """A bare four-digit 1900-2099: no currency, sign, decimals, scale, percent or parentheses."""
+    return bool(_YEAR.fullmatch(match[0].strip()))
+
+
+def pick_amount(text: str, pick: str, *, ignore_years: bool = False) -> Amount | None:
     """The answer's number: the first, the last, or the only one; None when there is none to take.
+    With `ignore_years`, bare years ("in 2023") are not candidates.
 
     Reads matches lazily and converts one: a multi-megabyte answer full of numbers stays cheap."""
+    matches = (m for m in _NUMBER.finditer(text) if not (ignore_years and _is_year(m)))
     if pick == "first":
-        match = _NUMBER.search(text)
+        match = next(matches, None)
     elif pick == "only":
-        two = list(islice(_NUMBER.finditer(text), 2))
+        two = list(islice(matches, 2))
         match = two[0] if len(two) == 1 else None
     else:
-        last = deque(_NUMBER.finditer(text), maxlen=1)
+        last = deque(matches, maxlen=1)
         match = last[0] if last else None
     return _amount(match) if match else None
 
@@ -154,7 +164,8 @@ async def grade_numeric_match(
     scale = render(config.scale, sample, item) if config.scale else None
     reference = reference_amount(render(config.reference, sample, item), scale)
     # Scanning a multi-megabyte answer takes seconds: keep it off the event loop.
-    answer = await asyncio.to_thread(pick_amount, render(config.input, sample, item), config.pick)
+    answer = await asyncio.to_thread(pick_amount, render(config.input, sample, item), config.pick,
+                                   ignore_years=config.ignore_years)
     matched = answer is not None and amounts_match(answer, reference, config.rel_tol, config.abs_tol)
     reward = 1.0 if matched else 0.0
     threshold = 1.0 if config.pass_threshold is None else config.pass_threshold
