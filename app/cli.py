@@ -121,14 +121,16 @@ def serve(
 
 @cli.command()
 def worker(
-    queues: Annotated[str | None, typer.Option(help="Comma-separated queues (default AGENT_RFT_TRAINING_QUEUE).")] = None,
+    queues: Annotated[str | None, typer.Option(
+        help="Comma-separated queues (default AGENT_RFT_TRAINING_QUEUE and AGENT_RFT_WEBHOOK_QUEUE).")] = None,
     concurrency: Annotated[int, typer.Option(help="Tasks run at once.")] = 1,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info",
 ) -> None:
-    """Start a Celery worker for training jobs."""
+    """Start a Celery worker for training jobs and webhook deliveries."""
     from workers.celery_app import celery_app
 
-    queue_names = queues or get_settings().training_queue
+    settings = get_settings()
+    queue_names = queues or f"{settings.training_queue},{settings.webhook_queue}"
     celery_app.worker_main(["worker", "-Q", queue_names, "-c", str(concurrency), "-l", loglevel, "-P", "solo"
                             if concurrency == 1 else "prefork"])
 
@@ -241,6 +243,60 @@ def jobs_watch(job_id: str, interval: Annotated[float, typer.Option(min=0.1, hel
     job = _client_call(lambda: watch_job(_client(base_url, api_key), job_id, interval=interval, echo=typer.echo))
     typer.echo(final_report(job))
     raise typer.Exit(code=0 if job.status == "succeeded" else 1)
+
+
+diagnostics_cli = typer.Typer(help="Variance diagnostics on an agent-rft server (docs/diagnostics.md).",
+                              no_args_is_help=True)
+cli.add_typer(diagnostics_cli, name="diagnostics")
+
+
+@cli.command()
+def diagnose(config: Annotated[Path, typer.Option("--config", help="Job YAML, as for `jobs create` (docs/cli.md).")],
+             runs: Annotated[int | None, typer.Option("--runs", min=2, help="Runs per sample (default 3).")] = None,
+             max_samples: Annotated[int | None, typer.Option("--max-samples", min=1,
+                                                             help="Diagnose at most N rows.")] = None,
+             interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 2.0,
+             json_out: Annotated[Path | None, typer.Option("--json", help="Also write the diagnostic here.")] = None,
+             base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Run every sample several times before training and show where learning can happen;
+    exit 0 if the diagnostic succeeded."""
+    from app.cli_client import diagnose as run
+
+    diagnostic = _client_call(lambda: run(_client(base_url, api_key), config, runs=runs, max_samples=max_samples,
+                                          interval=interval, echo=typer.echo, json_out=json_out))
+    raise typer.Exit(code=0 if diagnostic["status"] == "succeeded" else 1)
+
+
+@diagnostics_cli.command("show")
+def diagnostics_show(diagnostic_id: str, base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Print a diagnostic's status, summary table and verdict."""
+    from app.cli_client import format_diagnostic, format_diagnostic_progress, retrieve_diagnostic
+
+    diagnostic = _client_call(lambda: retrieve_diagnostic(_client(base_url, api_key), diagnostic_id))
+    typer.echo(format_diagnostic_progress(diagnostic))
+    typer.echo(format_diagnostic(diagnostic))
+
+
+@diagnostics_cli.command("rollouts")
+def diagnostics_rollouts(diagnostic_id: str,
+                         sample: Annotated[int | None, typer.Option(min=0, help="Only this sample (row index).")] = None,
+                         limit: Annotated[int | None, typer.Option(min=1, help="At most N rollouts.")] = 20,
+                         base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Print a diagnostic's rollouts (transcripts), by sample then run."""
+    from app.cli_client import diagnostic_rollouts, format_transcript
+
+    client = _client(base_url, api_key)
+    for rollout in _client_call(lambda: diagnostic_rollouts(client, diagnostic_id, sample_index=sample, limit=limit)):
+        typer.echo(format_transcript(rollout) + "\n")
+
+
+@diagnostics_cli.command("cancel")
+def diagnostics_cancel(diagnostic_id: str, base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Cancel a diagnostic that has not finished."""
+    from app.cli_client import cancel_diagnostic
+
+    diagnostic = _client_call(lambda: cancel_diagnostic(_client(base_url, api_key), diagnostic_id))
+    typer.echo(f"{diagnostic['id']}  {diagnostic['status']}")
 
 
 @cli.command("eval")

@@ -330,10 +330,24 @@ def eval_report(model: str, records: list[Any], graded: list[Any]) -> dict[str, 
     rewards = [g.reward for g in graded]
     passed = [g.passed if g.passed is not None else g.reward >= PASS_THRESHOLD for g in graded]
     accuracy = {"mean_reward": sum(rewards) / len(rewards), "pass_rate": sum(passed) / len(passed),
-                "grader_errors": sum(1 for g in graded if g.failed)}
-    rollouts = [{**r.summary(), "reward": g.reward, "passed": p, "grader_errors": g.errors}
+                "grader_errors": sum(1 for g in graded if g.failed), "sub_rewards": sub_reward_means(graded)}
+    rollouts = [{**r.summary(), "reward": g.reward, "passed": p, "grader_errors": g.errors,
+                 "sub_rewards": numeric_sub_rewards(g.result.sub_rewards)}
                 for r, g, p in zip(records, graded, passed)]
     return {"model": model, "accuracy": accuracy, "summary": summarize(records), "rollouts": rollouts}
+
+
+def numeric_sub_rewards(sub_rewards: dict[str, Any] | None) -> dict[str, float]:
+    return {k: float(v) for k, v in (sub_rewards or {}).items() if isinstance(v, (int, float))}
+
+
+def sub_reward_means(graded: list[Any]) -> dict[str, float]:
+    """A multi grader's sub-graders, each averaged over the rollouts that report it."""
+    values: dict[str, list[float]] = {}
+    for g in graded:
+        for key, value in numeric_sub_rewards(g.result.sub_rewards).items():
+            values.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in sorted(values.items())}
 
 
 def format_eval(report: dict[str, Any]) -> str:
@@ -344,4 +358,243 @@ def format_eval(report: dict[str, Any]) -> str:
              f"{'mean reward':36} {accuracy['mean_reward']:.3f}",
              f"{'passed (reward >= 0.5 or passed)':36} {accuracy['pass_rate']:.0%}",
              f"{'grader errors':36} {accuracy['grader_errors']}"]
+    lines += [f"{'  mean ' + name:36} {value:.3f}" for name, value in accuracy.get("sub_rewards", {}).items()]
     return "\n".join(lines) + "\n" + format_table(report["summary"])
+
+
+# --- variance diagnostic (docs/diagnostics.md) -------------------------------------------------
+
+DIAGNOSTICS_PATH = "/fine_tuning/alpha/diagnostics"
+DIAGNOSTIC_KEYS = ("model", "training_file", "method", "seed", "metadata")
+
+
+def create_diagnostic(client: openai.OpenAI, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/fine_tuning/alpha/diagnostics: `model`, `training_file` (a file id), `method`,
+    optional `runs_per_sample`, `max_samples`, `seed`, `metadata`."""
+    with api_errors():
+        return client.post(DIAGNOSTICS_PATH, body=body, cast_to=object)
+
+
+def retrieve_diagnostic(client: openai.OpenAI, diagnostic_id: str) -> dict[str, Any]:
+    with api_errors():
+        return client.get(f"{DIAGNOSTICS_PATH}/{diagnostic_id}", cast_to=object)
+
+
+def cancel_diagnostic(client: openai.OpenAI, diagnostic_id: str) -> dict[str, Any]:
+    with api_errors():
+        return client.post(f"{DIAGNOSTICS_PATH}/{diagnostic_id}/cancel", cast_to=object)
+
+
+def diagnostic_rollouts(client: openai.OpenAI, diagnostic_id: str, *, sample_index: int | None = None,
+                        limit: int | None = None) -> list[dict[str, Any]]:
+    """The diagnostic's rollouts by sample then run: every page, or the first `limit`."""
+    rollouts: list[dict[str, Any]] = []
+    after = None
+    while True:
+        params: dict[str, Any] = {"limit": min(100, limit - len(rollouts)) if limit else 100}
+        if sample_index is not None:
+            params["sample_index"] = sample_index
+        if after:
+            params["after"] = after
+        with api_errors():
+            page = client.get(f"{DIAGNOSTICS_PATH}/{diagnostic_id}/rollouts", cast_to=object,
+                              options={"params": params})
+        rollouts += page["data"]
+        if not page["has_more"] or not page["data"] or (limit and len(rollouts) >= limit):
+            return rollouts
+        after = page["last_id"]
+
+
+def wait_for_diagnostic(client: openai.OpenAI, diagnostic_id: str, *, interval: float = 2.0,
+                        on_progress: Callable[[dict[str, Any]], None] | None = None,
+                        timeout_s: float | None = None) -> dict[str, Any]:
+    """Poll until the diagnostic is final; `on_progress` sees every state polled."""
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    while True:
+        diagnostic = retrieve_diagnostic(client, diagnostic_id)
+        if on_progress:
+            on_progress(diagnostic)
+        if diagnostic["status"] in FINAL_STATUSES:
+            return diagnostic
+        if deadline is not None and time.monotonic() > deadline:
+            raise CliError(f"diagnostic {diagnostic_id} did not finish within {timeout_s:.0f} s "
+                           f"(status {diagnostic['status']})")
+        time.sleep(interval)
+
+
+def run_diagnostic(client: openai.OpenAI, *, model: str, training_file: str, method: dict[str, Any],
+                   runs_per_sample: int = 3, max_samples: int | None = None, seed: int | None = None,
+                   metadata: dict[str, str] | None = None, interval: float = 1.0,
+                   on_progress: Callable[[dict[str, Any]], None] | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+    """Create a diagnostic from a job's inputs (`training_file` is a file id) and wait for it;
+    returns the final `fine_tuning.diagnostic` object (status, progress, samples, summary,
+    verdict). Raises CliError on an API error or when `timeout_s` runs out."""
+    body: dict[str, Any] = {"model": model, "training_file": training_file, "method": method,
+                            "runs_per_sample": runs_per_sample}
+    body.update({k: v for k, v in (("max_samples", max_samples), ("seed", seed), ("metadata", metadata))
+                 if v is not None})
+    created = create_diagnostic(client, body)
+    return wait_for_diagnostic(client, created["id"], interval=interval, on_progress=on_progress,
+                               timeout_s=timeout_s)
+
+
+def diagnostic_body_from_config(client: openai.OpenAI, config_path: Path, *, runs: int | None,
+                                max_samples: int | None, echo: Echo) -> dict[str, Any]:
+    """A job YAML (as `jobs create --config` reads it) as a diagnostic request: a local training
+    file is uploaded; runs and max_samples come from the options, else from the config's
+    x_open_model.diagnostic, else the defaults."""
+    config = read_job_config(config_path)
+    config = upload_local_files(client, {k: v for k, v in config.items() if k in DIAGNOSTIC_KEYS},
+                                config_path.parent, echo)
+    preset: Any = config
+    for key in ("method", "reinforcement", "x_open_model", "diagnostic"):
+        preset = preset.get(key) if isinstance(preset, dict) else None
+    preset = preset if isinstance(preset, dict) else {}
+    body = dict(config)
+    if (value := runs or preset.get("runs_per_sample")) is not None:
+        body["runs_per_sample"] = value
+    if (value := max_samples or preset.get("max_samples")) is not None:
+        body["max_samples"] = value
+    return body
+
+
+def diagnose(client: openai.OpenAI, config_path: Path, *, runs: int | None, max_samples: int | None,
+             interval: float, echo: Echo, json_out: Path | None = None) -> dict[str, Any]:
+    """`agent-rft diagnose`: create, follow with a progress bar (a line per change when piped),
+    then print the summary table, the verdict and the example transcripts."""
+    body = diagnostic_body_from_config(client, config_path, runs=runs, max_samples=max_samples, echo=echo)
+    created = create_diagnostic(client, body)
+    echo(f"{created['id']}  {created['status']}  ({created['runs_per_sample']} runs per sample)")
+    if sys.stdout.isatty():
+        diagnostic = _wait_with_bar(client, created["id"], interval)
+    else:
+        last: list[str] = []
+
+        def report(state: dict[str, Any]) -> None:
+            line = format_diagnostic_progress(state)
+            if not last or line != last[-1]:
+                echo(line)
+                last.append(line)
+
+        diagnostic = wait_for_diagnostic(client, created["id"], interval=interval, on_progress=report)
+    echo(format_diagnostic(diagnostic))
+    examples = (diagnostic.get("verdict") or {}).get("example_rollout_ids") or []
+    if examples:
+        echo("\n" + format_examples(client, diagnostic, examples))
+    if json_out:
+        json_out.write_text(json.dumps(diagnostic, indent=2))
+        echo(f"\nwrote {json_out}")
+    return diagnostic
+
+
+def format_diagnostic_progress(diagnostic: dict[str, Any]) -> str:
+    progress = diagnostic["progress"]
+    total = progress["samples_total"] if progress["samples_total"] is not None else "?"
+    return f"{diagnostic['status']}: {progress['samples_done']}/{total} samples, {progress['rollouts_done']} rollouts"
+
+
+def _wait_with_bar(client: openai.OpenAI, diagnostic_id: str, interval: float) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.fields[status]}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+               TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        task = progress.add_task(diagnostic_id, total=None, status="")
+
+        def update(state: dict[str, Any]) -> None:
+            done = state["progress"]
+            progress.update(task, completed=done["samples_done"], total=done["samples_total"],
+                            status=state["status"])
+
+        return wait_for_diagnostic(client, diagnostic_id, interval=interval, on_progress=update)
+
+
+def _pct(value: Any) -> str:
+    return f"{value * 100:.0f}%" if isinstance(value, (int, float)) else "-"
+
+
+def _num(value: Any, fmt: str = ".2f") -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def format_diagnostic(diagnostic: dict[str, Any]) -> str:
+    """The summary table, the projected tool load and the verdict, as plain text."""
+    lines = [f"{'diagnostic':32} {diagnostic['id']}  {diagnostic['status']}"]
+    if diagnostic.get("error"):
+        lines.append(f"{'error':32} {diagnostic['error']['code']}: {diagnostic['error']['message']}")
+    summary = diagnostic.get("summary")
+    if not summary:
+        return "\n".join(lines)
+    signal = summary["signal"]
+    lines += [
+        f"{'samples':32} {summary['samples']} ({diagnostic['runs_per_sample']} runs each, {summary['rollouts']} rollouts)",
+        f"{'mixed scores (signal)':32} {_pct(signal['mixed']['share'])} ({signal['mixed']['count']})",
+        f"{'always 0':32} {_pct(signal['always_0']['share'])} ({signal['always_0']['count']})",
+        f"{'always 1':32} {_pct(signal['always_1']['share'])} ({signal['always_1']['count']})",
+    ]
+    for name, label in (("constant", "same other score every run"), ("ungraded", "not graded")):
+        if signal[name]["count"]:
+            lines.append(f"{label:32} {_pct(signal[name]['share'])} ({signal[name]['count']})")
+    by_tool = ", ".join(f"{name} {value:.2f}" for name, value in summary["tool_calls_per_rollout_by_tool"].items())
+    lines += [
+        f"{'mean reward':32} {_num(summary['mean_reward'], '.3f')}",
+        f"{'tool calls per rollout':32} {_num(summary['mean_tool_calls_per_rollout'])}"
+        + (f" ({by_tool})" if by_tool else ""),
+        f"{'tool call errors':32} {_pct(summary['tool_error_rate'])} of calls; "
+        f"{_pct(summary['tool_failure_rate'])} of rollouts ended in a tool failure",
+        f"{'grader errors':32} {_pct(summary['grader_error_rate'])} of rollouts",
+        f"{'tokens per rollout':32} prompt {_num(summary['prompt_tokens_per_rollout'], '.1f')}, completion "
+        f"{_num(summary['completion_tokens_per_rollout'], '.1f')}, tool output "
+        f"{_num(summary['tool_output_tokens_per_rollout'], '.1f')}",
+        f"{'latency per rollout':32} {_num(summary['latency_s_mean'])} s mean, {_num(summary['latency_s_max'])} s max",
+        f"{'finish reasons':32} " + ", ".join(f"{k} {_pct(v)}" for k, v in summary["finish_reasons"].items()),
+    ]
+    lines += _format_load(summary.get("load_projection") or [])
+    verdict = diagnostic.get("verdict") or {}
+    lines.append(f"\nverdict ({verdict.get('level', '-')}): {verdict.get('message', '-')}")
+    lines += [f"  note: {note}" for note in verdict.get("notes") or []]
+    if verdict.get("example_rollout_ids"):
+        lines.append(f"example rollouts: {', '.join(verdict['example_rollout_ids'])}")
+    return "\n".join(lines)
+
+
+def _format_load(projection: list[dict[str, Any]]) -> list[str]:
+    rows = [(f"{p['compute_multiplier']:g}" + ("*" if p.get("configured") else ""), str(p["batch_size"]),
+             str(p["group_size"]), str(p["rollouts_per_step"]), name, f"{tool['calls_per_step']:.1f}",
+             str(tool["peak_concurrency"]))
+            for p in projection for name, tool in p["tools"].items()]
+    if not rows:
+        return ["\nprojected tool load per training step: no tool calls in these rollouts"] if projection else []
+    rows.insert(0, ("compute_multiplier", "batch", "group", "rollouts", "tool", "calls/step", "peak concurrency"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return ["\nprojected tool load per training step (* = this config):", *table]
+
+
+def format_examples(client: openai.OpenAI, diagnostic: dict[str, Any], rollout_ids: list[str],
+                    width: int = 300) -> str:
+    """The transcripts of the verdict's example rollouts."""
+    sample_of = {rid: s["sample_index"] for s in diagnostic.get("samples") or [] for rid in s["rollout_ids"]}
+    blocks = []
+    for rollout_id in rollout_ids:
+        if rollout_id not in sample_of:
+            continue
+        found = [r for r in diagnostic_rollouts(client, diagnostic["id"], sample_index=sample_of[rollout_id])
+                 if r["id"] == rollout_id]
+        if found:
+            blocks.append(format_transcript(found[0], width))
+    return "\n\n".join(blocks)
+
+
+def format_transcript(rollout: dict[str, Any], width: int = 300) -> str:
+    data = rollout.get("data") or {}
+    head = (f"--- {rollout['id']} (sample {rollout['sample_index']}, run {rollout['run_index']}): reward "
+            f"{_num(rollout.get('reward'), '.3f')}, {rollout.get('finish_reason')}, {rollout['tool_calls']} tool calls")
+    lines = [head]
+    for message in data.get("messages") or []:
+        content = str(message.get("content", ""))
+        if len(content) > width:
+            content = content[:width] + f" … [{len(content) - width} more characters]"
+        lines.append(f"[{message.get('role')}] {content}")
+    return "\n".join(lines)

@@ -208,25 +208,23 @@ def child_env(workdir: Path, api_url: str) -> dict[str, str]:
 
 
 def make_data(demo: Demo) -> dict[str, Path]:
-    from examples.financial_reports.corpus import read_jsonl, write_jsonl, write_split
-    from examples.financial_reports.synthetic import write_synthetic
+    from examples.financial_reports import demo_task
+    from examples.financial_reports.corpus import write_jsonl
 
     cfg, data = demo.config, demo.workdir / "data"
-    corpus = write_synthetic(data, seed=cfg.seed, n_companies=cfg.companies, years=cfg.years)
-    train_path, valid_path = write_split(data, valid_fraction=cfg.valid_fraction, seed=cfg.seed)
-    train, held_out = read_jsonl(train_path), read_jsonl(valid_path)[: cfg.held_out_rows]
-    if not train or not held_out:
-        raise StageFailed(f"the split left {len(train)} training and {len(held_out)} held-out rows; "
-                          "raise companies or years in demo_config")
+    corpus, train, held_out = demo_task.build(
+        data, seed=cfg.seed, companies=cfg.companies, years=cfg.years, held_out_companies=cfg.held_out_companies,
+        system_prompt=cfg.system_prompt)
+    held_out = held_out[: cfg.held_out_rows]
     train, n_epochs = size_training(train, cfg.steps, cfg.hyperparameters["batch_size"])
-    system = {"role": "system", "content": cfg.system_prompt}
     paths = {"corpus": corpus, "train": data / "demo-train.jsonl", "held_out": data / "demo-held-out.jsonl"}
-    write_jsonl(paths["train"], ({**row, "messages": [system, *row["messages"]]} for row in train))
-    write_jsonl(paths["held_out"], ({**row, "messages": [system, *row["messages"]]} for row in held_out))
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["held_out"], held_out)
     demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "train_rows": len(train),
                            "held_out_rows": len(held_out), "n_epochs": n_epochs}
-    print(f"{demo.report['data']['documents']} reports; {len(train)} training questions "
-          f"({n_epochs} epoch(s)), {len(held_out)} held-out questions (other reports) in {data}")
+    print(f"{demo.report['data']['documents']} reports of {cfg.companies} companies; {len(train)} training questions "
+          f"({n_epochs} epoch(s)), {len(held_out)} held-out questions about {cfg.held_out_companies} other "
+          f"companies, in {data}")
     return paths
 
 
@@ -288,11 +286,10 @@ def job_tools(tools_url: str) -> list[dict[str, Any]]:
 
 
 def grader(cfg: DemoConfig, grader_url: str) -> dict[str, Any]:
-    if cfg.grader == "endpoint":
-        return {"type": "endpoint", "name": "answer", "url": f"{grader_url}/grade"}
-    if cfg.grader == "numeric_match":
-        return {"type": "numeric_match", "name": "answer", "reference": "{{item.answer}}", "scale": "{{item.scale}}"}
-    raise StageFailed(f"demo_config grader must be 'endpoint' or 'numeric_match', got {cfg.grader!r}")
+    try:
+        return demo_config.grader_spec(cfg.grader, grader_url)
+    except ValueError as exc:
+        raise StageFailed(f"demo_config: {exc}") from exc
 
 
 def upload(client: openai.OpenAI, paths: dict[str, Path]) -> dict[str, str]:
@@ -333,17 +330,52 @@ def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict
     return report
 
 
-def create_job(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> Any:
+def job_method(demo: Demo) -> dict[str, Any]:
+    """method.reinforcement of the job, and of the variance diagnostic before it (the same inputs)."""
     cfg = demo.config
     hyperparameters = {**cfg.hyperparameters, "n_epochs": demo.report["data"]["n_epochs"]}
+    return {"type": "reinforcement", "reinforcement": {
+        "grader": grader(cfg, demo.url("grader")), "tools": job_tools(demo.url("tools")),
+        "max_episode_steps": cfg.max_episode_steps, "hyperparameters": hyperparameters,
+        "x_open_model": cfg.x_open_model}}
+
+
+def diagnose(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> dict[str, Any]:
+    """The variance diagnostic on a few training questions: how many can teach the model anything."""
+    from app.cli_client import CliError, format_diagnostic, run_diagnostic
+
+    cfg = demo.config
+    last: list[str] = []
+
+    def progress(diagnostic: dict[str, Any]) -> None:
+        line = json.dumps(diagnostic.get("progress"), sort_keys=True)
+        if line not in last:
+            last.append(line)
+            done = diagnostic.get("progress") or {}
+            total = f"/{done['rollouts_total']}" if done.get("rollouts_total") else ""
+            print(f"  {diagnostic['status']}: {done.get('rollouts_done', 0)}{total} rollouts", flush=True)
+
+    try:
+        diagnostic = run_diagnostic(client, model=cfg.model, training_file=files["train"], method=job_method(demo),
+                                    runs_per_sample=cfg.diagnostic_runs, max_samples=cfg.diagnostic_samples,
+                                    seed=cfg.seed, interval=POLL_S, on_progress=progress,
+                                    timeout_s=cfg.job_timeout_s)
+    except CliError as exc:
+        raise StageFailed(str(exc)) from exc
+    if diagnostic["status"] != "succeeded":
+        raise StageFailed(f"the diagnostic ended {diagnostic['status']}: {diagnostic.get('error')}\n"
+                          f"end of the worker log:\n{demo.children.running['worker'].tail()}")
+    print(format_diagnostic(diagnostic))
+    return {"id": diagnostic["id"], "summary": diagnostic.get("summary"), "verdict": diagnostic.get("verdict")}
+
+
+def create_job(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> Any:
+    cfg = demo.config
+    method = job_method(demo)
     job = client.fine_tuning.jobs.create(
         model=cfg.model, training_file=files["train"], validation_file=files["held_out"], seed=cfg.seed,
-        metadata={"demo": "financial-reports"},
-        method={"type": "reinforcement", "reinforcement": {
-            "grader": grader(cfg, demo.url("grader")), "tools": job_tools(demo.url("tools")),
-            "max_episode_steps": cfg.max_episode_steps, "hyperparameters": hyperparameters,
-            "x_open_model": cfg.x_open_model}})
-    print(f"created job {job.id} ({cfg.model}, {hyperparameters})")
+        suffix="demo", metadata={"demo": "financial-reports"}, method=method)
+    print(f"created job {job.id} ({cfg.model}, {method['reinforcement']['hyperparameters']})")
     return job
 
 
@@ -395,8 +427,13 @@ def comparison_rows(before: dict[str, Any], after: dict[str, Any]) -> list[tuple
             return format(value, spec) if isinstance(value, (int, float)) else "-"
         return read
 
-    rows = [("accuracy (pass rate)", *both(number(("accuracy", "pass_rate"), ".0%"))),
-            ("mean reward", *both(number(("accuracy", "mean_reward"), ".3f"))),
+    rows = []
+    if "correct" in before["accuracy"].get("sub_rewards", {}):  # the multi grader: its parts, by name
+        rows += [("correct answers", *both(number(("accuracy", "sub_rewards", "correct"), ".0%"))),
+                 ("searched for the company", *both(number(("accuracy", "sub_rewards", "searched"), ".0%")))]
+    else:
+        rows += [("accuracy (pass rate)", *both(number(("accuracy", "pass_rate"), ".0%")))]
+    rows += [("mean reward", *both(number(("accuracy", "mean_reward"), ".3f"))),
             ("tool calls per rollout", *both(number(("summary", "tool_calls_per_rollout"), ".2f")))]
     tools = sorted({*before["summary"].get("tool_calls_per_rollout_by_tool", {}),
                     *after["summary"].get("tool_calls_per_rollout_by_tool", {})})
@@ -425,16 +462,24 @@ def stages(demo: Demo) -> None:
         paths["grader"].write_text(json.dumps(grader(cfg, demo.url("grader"))))
     with demo.step("2/8 services: API, worker, tool server, grader"):
         key = create_project(demo.workdir)
+        key_file = demo.workdir / "api-key"
+        key_file.touch(mode=0o600)
+        key_file.write_text(key + "\n")
         start_services(demo, paths["corpus"])
     client = openai.OpenAI(base_url=f"{demo.url('api')}/v1", api_key=key, max_retries=2)
     with demo.step("3/8 upload (openai SDK)"):
         files = upload(client, paths)
-    with demo.step("4/8 variance diagnostic"):
-        print("skipped: the variance diagnostic is not built yet")
+    dashboard = f"{demo.url('api')}/dashboard"
+    with demo.step("4/8 variance diagnostic: which training questions can teach the model anything"):
+        demo.report["diagnostic"] = diagnose(demo, client, files)
+        print(f"browse it: {dashboard}/diagnostics/{demo.report['diagnostic']['id']}")
     with demo.step(f"5/8 before: {cfg.model} on the held-out questions"):
         demo.report["before"] = evaluate(demo, "before", cfg.model, paths)
     with demo.step("6/8 train (reinforcement fine-tuning)"):
-        job = follow_job(demo, client, create_job(demo, client, files).id)
+        created = create_job(demo, client, files)
+        print(f"watch it live: {dashboard}/jobs/{created.id}  (log in with the demo's API key, in "
+              f"{demo.workdir / 'api-key'})", flush=True)
+        job = follow_job(demo, client, created.id)
         demo.report["job"] = {"id": job.id, "status": job.status, "fine_tuned_model": job.fine_tuned_model,
                               "error": job.error.model_dump() if job.error and job.error.message else None}
         if job.status != "succeeded":
@@ -448,7 +493,10 @@ def stages(demo: Demo) -> None:
         demo.report["after"] = evaluate(demo, "after", str(checkpoint), paths)
     with demo.step("8/8 results"):
         print(format_comparison(comparison_rows(demo.report["before"], demo.report["after"])))
-        print(f"\nAPI docs: {demo.url('api')}/docs  (the dashboard is not built yet)")
+        print(f"\nThe run is kept in {demo.workdir}. To browse it on the dashboard (reward curves, tool calls, "
+              f"rollout transcripts, the variance report) once the demo has stopped:\n"
+              f"  AGENT_RFT_DATA_DIR={demo.workdir} agent-rft serve --port {demo.ports['api']}\n"
+              f"  then open {dashboard}/jobs/{job.id} and log in with the key in {demo.workdir / 'api-key'}")
 
 
 def install_signal_handlers(budget_s: float) -> dict[int, Any]:
@@ -516,7 +564,8 @@ def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool 
 def write_report(demo: Demo, outcome: str, wall: float) -> None:
     report = {"outcome": outcome, "failed_stage": None if outcome == "succeeded" else demo.stage,
               "wall_time_s": round(wall, 1), "stage_seconds": demo.timings, "config": asdict(demo.config),
-              "api_url": demo.url("api"), "docs_url": f"{demo.url('api')}/docs", **demo.report}
+              "api_url": demo.url("api"), "docs_url": f"{demo.url('api')}/docs",
+              "dashboard_url": f"{demo.url('api')}/dashboard", **demo.report}
     with contextlib.suppress(OSError):
         (demo.workdir / "demo-report.json").write_text(json.dumps(report, indent=2, default=str))
 

@@ -14,6 +14,11 @@ from app.core.db import make_engine, make_session_factory
 from app.core.errors import error_body, install_error_handlers
 from app.core.migrations import ensure_schema
 from app.core.queue import JobQueue
+from app.diagnostics import pipeline as diagnostics_pipeline
+from app.diagnostics.router import internal_router as diagnostics_internal_router
+from app.diagnostics.router import router as diagnostics_router
+from app.diagnostics.watchdog import DiagnosticWatchdog
+from app.dashboard import install as install_dashboard
 from app.files.router import router as files_router
 from app.files.storage import LocalStorage
 from app.graders.router import router as graders_router
@@ -22,6 +27,10 @@ from app.internal.router import router as internal_router
 from app.internal.watchdog import Watchdog
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
+from app.webhooks.dispatcher import WebhookSweeper
+from app.webhooks.outbox import install_dispatch
+from app.webhooks.router import internal_router as webhooks_internal_router
+from app.webhooks.router import router as webhooks_router
 
 log = logging.getLogger(__name__)
 MULTIPART_OVERHEAD = 64 * 1024
@@ -60,9 +69,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             target=pipeline.recover, args=(state.session_factory, state.storage, state.queue),
             kwargs={"min_rows": settings.min_training_rows}, name="recover-jobs", daemon=True,
         ).start()
+        threading.Thread(
+            target=diagnostics_pipeline.recover, args=(state.session_factory, state.storage, state.queue),
+            name="recover-diagnostics", daemon=True,
+        ).start()
         watchdog = Watchdog(state.session_factory, state.queue, settings.watchdog_interval_s)
         watchdog.start()
+        diagnostic_watchdog = DiagnosticWatchdog(state.session_factory, state.queue, settings.watchdog_interval_s)
+        diagnostic_watchdog.start()
+        webhook_sweeper = WebhookSweeper(state.session_factory, state.queue.enqueue_webhook,
+                                         interval_s=settings.webhook_sweep_interval_s,
+                                         redispatch_after_s=settings.webhook_redispatch_after_s)
+        webhook_sweeper.start()
         yield
+        webhook_sweeper.stop()
+        diagnostic_watchdog.stop()
         watchdog.stop()
         state.queue.close()
         engine.dispose()
@@ -78,6 +99,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = make_session_factory(engine)
     app.state.storage = LocalStorage(settings.resolved_storage_dir)
     app.state.queue = JobQueue(settings)
+    # Webhook deliveries written in a transaction go to the broker right after its commit.
+    install_dispatch(app.state.session_factory, app.state.queue.enqueue_webhook)
     install_error_handlers(app)
     app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
     app.include_router(files_router)
@@ -85,6 +108,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(graders_router)
     app.include_router(rollouts_router)
     app.include_router(internal_router)
+    app.include_router(diagnostics_router)
+    app.include_router(diagnostics_internal_router)
+    app.include_router(webhooks_router)
+    app.include_router(webhooks_internal_router)
+    install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

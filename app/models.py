@@ -2,12 +2,15 @@
 
 from app.auth.models import ApiKey, Project
 from app.core.db import Base
+from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.files.models import StoredFile
 from app.idempotency.models import IdempotencyRecord
 from app.internal.models import JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.models import Checkpoint, Job, JobEvent
+from app.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 __all__ = [
-    "ApiKey", "Base", "Checkpoint", "IdempotencyRecord", "Job", "JobEvent", "JobMetric", "JobRollout", "JobStep",
-    "Project", "StoredFile", "WorkerEventKey",
+    "ApiKey", "Base", "Checkpoint", "Diagnostic", "DiagnosticRollout", "IdempotencyRecord", "Job", "JobEvent",
+    "JobMetric", "JobRollout", "JobStep", "Project", "StoredFile", "WebhookAttempt", "WebhookDelivery",
+    "WebhookEndpoint", "WebhookEvent", "WorkerEventKey",
 ]

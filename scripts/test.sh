@@ -37,7 +37,21 @@ ensure_redis() {
   echo "Redis did not start on 127.0.0.1:6379" >&2; exit 1
 }
 
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never a browser
+# that Playwright downloads itself).
+ensure_chromium() {
+  [ -x /usr/bin/chromium ] && return
+  if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
+    echo "warning: /usr/bin/chromium is missing and neither root nor sudo is available to install it;" \
+         "the browser tests will be skipped" >&2
+    return
+  fi
+  echo "installing chromium from Debian's packages"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+}
+
 ensure_packages
+ensure_chromium
 ensure_postgres
 ensure_redis
 

@@ -233,3 +233,23 @@ def test_eval_refuses_a_bad_grader(eval_inputs, tmp_path):
     inputs = [bad if part.endswith("grader.json") else part for part in eval_inputs]
     result = agent_rft("eval", "--model", "tiny-smollm2", *map(str, inputs), env=cli_env(tmp_path))
     assert result.returncode == 1 and "invalid grader" in result.stderr and "operation" in result.stderr
+
+
+def test_eval_reports_each_sub_grader_of_a_multi_grader(eval_inputs, tmp_path):
+    multi = {"type": "multi", "name": "both", "calculate_output": "0.25 * always + 0.75 * never", "graders": {
+        "always": {"type": "string_check", "name": "always", "input": "{{item.reference_answer}}", "reference": "1",
+                   "operation": "eq"},
+        "never": {"type": "string_check", "name": "never", "input": "{{item.reference_answer}}", "reference": "2",
+                  "operation": "eq"}}}
+    grader = tmp_path / "multi.json"
+    grader.write_text(json.dumps(multi))
+    inputs = [str(grader) if part.endswith("grader.json") else part for part in eval_inputs]
+    out = tmp_path / "eval.json"
+    result = agent_rft("eval", "--model", "tiny-smollm2", *inputs, "--json", str(out), env=cli_env(tmp_path),
+                       timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["accuracy"]["sub_rewards"] == {"always": 1.0, "never": 0.0}
+    assert report["accuracy"]["mean_reward"] == 0.25
+    assert all(r["sub_rewards"] == {"always": 1.0, "never": 0.0} for r in report["rollouts"])
+    assert "mean always" in result.stdout and "mean never" in result.stdout

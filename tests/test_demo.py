@@ -1,6 +1,7 @@
 """`agent-rft demo --quick`, as a user runs it: a subprocess that starts the API, a worker, the
-example tool and grader servers, evaluates a tiny model, trains it for two steps, evaluates the
-checkpoint and stops every process it started; and Ctrl-C in the middle stops everything."""
+example tool and grader servers, runs the variance diagnostic, evaluates a tiny model, trains it for
+two steps, evaluates the checkpoint and stops every process it started; and Ctrl-C in the middle
+stops everything."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def test_quick_demo_evaluates_trains_and_compares(tmp_path):
                             text=True, timeout=300, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    for line in ("before", "after", "accuracy (pass rate)", "tool calls per rollout", "tokens per rollout",
-                 "seconds per rollout", "/docs", "variance diagnostic", "demo succeeded"):
+    for line in ("before", "after", "correct answers", "searched for the company", "tool calls per rollout",
+                 "tokens per rollout", "seconds per rollout", "variance diagnostic", "mixed scores (signal)",
+                 "verdict", "/dashboard/jobs/", "demo succeeded"):
         assert line in result.stdout, output[-4000:]
 
     report = json.loads((workdir / "demo-report.json").read_text())
@@ -61,6 +63,13 @@ def test_quick_demo_evaluates_trains_and_compares(tmp_path):
     for label in ("before", "after"):
         assert report[label]["summary"]["rollouts"] == report["data"]["held_out_rows"]
         assert 0 <= report[label]["accuracy"]["pass_rate"] <= 1
+        assert set(report[label]["accuracy"]["sub_rewards"]) == {"searched", "correct"}
+    # The variance diagnostic ran on the worker before training: 2 questions x 2 runs, all graded.
+    diagnostic = report["diagnostic"]
+    assert diagnostic["id"].startswith("diag-") and diagnostic["summary"]["samples"] == 2
+    assert diagnostic["summary"]["rollouts"] == 4 and diagnostic["verdict"]["message"]
+    assert oct((workdir / "api-key").stat().st_mode & 0o777) == "0o600"
+    assert (workdir / "api-key").read_text().startswith("sk-")
     assert report["after"]["model"] == report["checkpoint"]
     assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
     assert report["wall_time_s"] < 300

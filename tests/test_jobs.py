@@ -28,8 +28,9 @@ def test_create_returns_an_openai_job_and_queues_it(api):
     assert rl["hyperparameters"]["batch_size"] == "auto" and rl["hyperparameters"]["compute_multiplier"] == "auto"
     # The extension object comes back with every default filled in.
     assert rl["x_open_model"] == {"training_mode": "lora", "lora_rank": 16, "lora_alpha": 32, "loss": "grpo",
-                                  "kl_coef": 0.0, "clip_epsilon": 0.2, "max_tokens_per_turn": 256,
-                                  "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0}
+                                  "kl_coef": 0.0, "clip_epsilon": 0.2, "learning_rate": None, "max_tokens_per_turn": 256,
+                                  "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0,
+                                  "diagnostic": None}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
 
 
@@ -78,6 +79,7 @@ BAD_BODIES = [
     (lambda b: b["method"]["reinforcement"].update(max_episode_steps=0), "method.reinforcement.max_episode_steps"),
     (lambda b: b["method"]["reinforcement"]["x_open_model"].update(loss="ppo"), "method.reinforcement.x_open_model.loss"),
     (lambda b: b["method"]["reinforcement"]["x_open_model"].update(temperature=3), "method.reinforcement.x_open_model.temperature"),
+    (lambda b: b["method"]["reinforcement"]["x_open_model"].update(learning_rate=0), "method.reinforcement.x_open_model.learning_rate"),
     (lambda b: b["method"]["reinforcement"].pop("grader"), "method.reinforcement.grader"),
     (lambda b: b["method"]["reinforcement"]["grader"].update(type="magic"), "method.reinforcement.grader"),
     (lambda b: b["method"]["reinforcement"]["grader"].update(operation="contains"), "method.reinforcement.grader.operation"),

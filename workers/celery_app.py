@@ -10,6 +10,8 @@ from celery import Celery
 from app.core.config import Settings, get_settings
 
 RUN_JOB_TASK = "agent_rft.run_job"
+DELIVER_WEBHOOK_TASK = "agent_rft.deliver_webhook"
+RUN_DIAGNOSTIC_TASK = "agent_rft.run_diagnostic"
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -17,7 +19,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
     if not settings.broker_url:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Workers import the tasks; the API only sends them by name and never imports this list.
-    app = Celery("agent_rft", broker=settings.resolved_broker_url, include=["workers.tasks"])
+    app = Celery("agent_rft", broker=settings.resolved_broker_url, include=["workers.tasks", "workers.webhooks"])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

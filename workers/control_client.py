@@ -7,10 +7,12 @@ a push that failed half-way is simply sent again.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +105,11 @@ class ControlPlaneClient:
     def file_content(self, file_id: str) -> bytes:
         return self._request("GET", f"/files/{file_id}/content").content
 
+    def file_rows(self, file_id: str) -> list[dict[str, Any]]:
+        """A JSONL file's rows (the API validated every line before any worker sees it)."""
+        text = self.file_content(file_id).decode("utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
     def push_step(self, job_id: str, step: int, metrics: dict[str, Any]) -> None:
         self._request("PUT", f"/jobs/{job_id}/steps/{step}", json=self._leased({"metrics": metrics}))
 
@@ -130,20 +137,49 @@ class ControlPlaneClient:
         self._request("POST", f"/jobs/{job_id}/finish",
                       json=self._leased({"status": status, "error": error, "trained_tokens": trained_tokens}))
 
+    def job_diagnostic(self, job_id: str) -> dict[str, Any]:
+        """The variance diagnostic this (leased) job runs before training: {id, status, created}."""
+        return self._request("POST", f"/jobs/{job_id}/diagnostic", json=self._leased({})).json()
+
+    # --- a variance diagnostic's life (one client per claim: it holds that claim's lease) ----
+    def claim_diagnostic(self, diagnostic_id: str, worker_id: str) -> Claim:
+        data = self._request("POST", f"/diagnostics/{diagnostic_id}/claim", json={"worker_id": worker_id}).json()
+        self.lease_id = data["lease_id"]
+        return Claim(lease_id=data["lease_id"], lease_expires_at=data["lease_expires_at"], job=data["diagnostic"])
+
+    def diagnostic_heartbeat(self, diagnostic_id: str) -> str:
+        return self._request("POST", f"/diagnostics/{diagnostic_id}/heartbeat", json=self._leased({})).json()["action"]
+
+    def push_diagnostic_rollouts(self, diagnostic_id: str, records: list[dict[str, Any]], *,
+                                 samples_total: int | None = None, load_basis: dict[str, Any] | None = None
+                                 ) -> dict[str, Any]:
+        return self._request("POST", f"/diagnostics/{diagnostic_id}/rollouts", json=self._leased({
+            "records": records, "samples_total": samples_total, "load_basis": load_basis})).json()
+
+    def finish_diagnostic(self, diagnostic_id: str, status: str, *, error: dict[str, Any] | None = None) -> str:
+        return self._request("POST", f"/diagnostics/{diagnostic_id}/finish",
+                             json=self._leased({"status": status, "error": error})).json()["status"]
+
+    def diagnostic(self, diagnostic_id: str) -> dict[str, Any]:
+        """The diagnostic as users see it, results included."""
+        return self._request("GET", f"/diagnostics/{diagnostic_id}").json()
+
 
 class Heartbeat(threading.Thread):
     """Keeps the lease alive from its own thread (training blocks the event loop for seconds at
     a time) and remembers what the control plane asked for: continue, pause, cancel, or lost."""
 
-    def __init__(self, client: ControlPlaneClient, job_id: str, interval_s: float) -> None:
+    def __init__(self, client: ControlPlaneClient, job_id: str, interval_s: float,
+                 call: Callable[[str], str] | None = None) -> None:
         super().__init__(name=f"heartbeat-{job_id}", daemon=True)
         self.client, self.job_id, self.interval_s = client, job_id, interval_s
+        self.call = call or client.heartbeat  # client.diagnostic_heartbeat for a diagnostic
         self.action = "continue"
         self._stop_event = threading.Event()
 
     def beat(self) -> str:
         try:
-            self.action = self.client.heartbeat(self.job_id)
+            self.action = self.call(self.job_id)
         except LeaseLost:
             self.action = "lost"
         except (ControlPlaneError, httpx.TransportError) as exc:

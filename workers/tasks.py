@@ -12,8 +12,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from workers.celery_app import RUN_JOB_TASK, celery_app
+from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_JOB_TASK, celery_app
 from workers.control_client import Claim, ControlPlaneClient, Heartbeat, LeaseHeld, NotClaimable
+from workers.diagnostics import DiagnosticRun, claim_with_patience
 
 log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
@@ -40,6 +41,27 @@ def run_job(self, job_id: str) -> dict[str, Any]:  # noqa: ANN001
             log.info("job %s not claimable: %s", job_id, exc.message)
             return {"job_id": job_id, "status": "skipped", "reason": exc.message}
         return JobRun(client, claim, settings).run()
+    finally:
+        client.close()
+
+
+@celery_app.task(name=RUN_DIAGNOSTIC_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=360)
+def run_diagnostic(self, diagnostic_id: str) -> dict[str, Any]:  # noqa: ANN001
+    """A variance diagnostic (docs/diagnostics.md): every sample run several times, graded, pushed."""
+    from app.core.config import get_settings
+
+    settings = get_settings()
+    client = ControlPlaneClient(settings.api_url, settings.worker_token.get_secret_value())
+    try:
+        try:
+            claim = client.claim_diagnostic(diagnostic_id, worker_id())
+        except LeaseHeld as exc:
+            raise self.retry(countdown=LEASE_RETRY_COUNTDOWN_S, exc=exc) from exc
+        except NotClaimable as exc:
+            log.info("diagnostic %s not claimable: %s", diagnostic_id, exc.message)
+            return {"diagnostic_id": diagnostic_id, "status": "skipped", "reason": exc.message}
+        status = asyncio.run(DiagnosticRun(client, claim, settings).run())
+        return {"diagnostic_id": diagnostic_id, "status": status}
     finally:
         client.close()
 
@@ -76,10 +98,7 @@ class JobRun:
             log.exception("could not report the end of job %s", self.job_id)
 
     def _rows(self, file_id: str | None) -> list[dict[str, Any]]:
-        if not file_id:
-            return []
-        text = self.client.file_content(file_id).decode("utf-8")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return self.client.file_rows(file_id) if file_id else []
 
     async def _train(self) -> Any:
         from pydantic import TypeAdapter
@@ -88,16 +107,24 @@ class JobRun:
         from app.graders.service import grader_context
         from workers.rl.models import load_model
         from workers.rl.tools_client import ToolClient
-        from workers.rl.trainer import Trainer, resolve_hyperparameters
+        from workers.rl.trainer import Trainer, TrainingOutcome, resolve_hyperparameters
 
         reinforcement = self.job["method"]["reinforcement"]
         train_rows, valid_rows = self._rows(self.job["training_file"]), self._rows(self.job.get("validation_file"))
+        hooks = ControlHooks(self, None)
+        loaded = None
+        if (reinforcement.get("x_open_model") or {}).get("diagnostic"):
+            loaded = load_model(self.job["model"])  # loaded once: the diagnostic, then training
+            diagnosed = await JobDiagnostic(self, hooks).run(loaded, train_rows)
+            if isinstance(diagnosed, TrainingOutcome):
+                return diagnosed
+            train_rows = diagnosed
         config, resolved = resolve_hyperparameters(reinforcement, n_train=len(train_rows), n_valid=len(valid_rows),
                                                    seed=self.job["seed"])
-        hooks = ControlHooks(self, resolved)
+        hooks.resolved = resolved
         await hooks.on_event("info", f"Training {self.job['model']} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
-        loaded = load_model(self.job["model"])
+        loaded = loaded or load_model(self.job["model"])
         resume = self.job.get("resume_state")
         async with ToolClient(reinforcement.get("tools", []), allowlist=self.settings.outbound_allowlist) as tools:
             trainer = Trainer(
@@ -109,10 +136,81 @@ class JobRun:
             return await trainer.run()
 
 
+class JobDiagnostic:
+    """`x_open_model.diagnostic`: the job's variance diagnostic, run by this worker before
+    training with the model it trains; optionally the zero-signal samples are dropped."""
+
+    def __init__(self, run: JobRun, hooks: ControlHooks) -> None:
+        self.run_, self.hooks = run, hooks
+        self.options = run.job["method"]["reinforcement"]["x_open_model"]["diagnostic"]
+
+    async def run(self, loaded: Any, rows: list[dict[str, Any]]) -> Any:
+        """The rows to train on, or the TrainingOutcome that ends the job here."""
+        run = self.run_
+        found = await asyncio.to_thread(run.client.job_diagnostic, run.job_id)
+        if found["status"] != "succeeded":
+            status = await self._run_it(found["id"], loaded, rows)
+            if status != "succeeded":
+                return await self._stopped(found["id"], status)
+        diagnostic = await asyncio.to_thread(run.client.diagnostic, found["id"])
+        verdict = diagnostic.get("verdict") or {}
+        await self.hooks.on_event("warn" if verdict.get("level") in ("warning", "error") else "info",
+                                  f"Variance diagnostic {found['id']}: {verdict.get('message', 'no verdict')}",
+                                  {"diagnostic_id": found["id"], "summary": diagnostic.get("summary"),
+                                   "verdict": verdict})
+        if not self.options.get("drop_zero_signal"):
+            return rows
+        return await self._drop_zero_signal(found["id"], diagnostic, rows)
+
+    async def _run_it(self, diagnostic_id: str, loaded: Any, rows: list[dict[str, Any]]) -> str:
+        run = self.run_
+        client = ControlPlaneClient(run.settings.api_url, run.settings.worker_token.get_secret_value())
+        try:
+            claim = await asyncio.to_thread(claim_with_patience, client, diagnostic_id, worker_id(),
+                                            wait_s=2.0 * run.settings.lease_seconds)
+            await self.hooks.on_event("info", f"Variance diagnostic {diagnostic_id} started: "
+                                              f"{self.options['runs_per_sample']} runs per sample before training.",
+                                      {"diagnostic_id": diagnostic_id})
+            return await DiagnosticRun(client, claim, run.settings, outer=run.heartbeat).run(loaded=loaded, rows=rows)
+        except NotClaimable:  # it ended meanwhile (e.g. it succeeded just before this worker took the job over)
+            return (await asyncio.to_thread(run.client.diagnostic, diagnostic_id))["status"]
+        finally:
+            client.close()
+
+    async def _stopped(self, diagnostic_id: str, status: str) -> Any:
+        """The job's outcome when its diagnostic did not succeed: the user's pause or cancel, or a failure."""
+        from workers.rl.trainer import TrainingOutcome
+
+        action = await asyncio.to_thread(self.run_.heartbeat.beat)
+        if action in ("pause", "cancel", "lost"):
+            return TrainingOutcome("paused" if action == "pause" else "cancelled", 0, 0, 0, None, None)
+        error = {"code": "diagnostic_failed", "param": None,
+                 "message": f"The variance diagnostic {diagnostic_id} run before training ended '{status}'; "
+                            f"see GET /v1/fine_tuning/alpha/diagnostics/{diagnostic_id}."}
+        return TrainingOutcome("failed", 0, 0, 0, error, None)
+
+    async def _drop_zero_signal(self, diagnostic_id: str, diagnostic: dict[str, Any],
+                                rows: list[dict[str, Any]]) -> Any:
+        from app.diagnostics.summary import zero_signal_samples
+        from workers.rl.trainer import TrainingOutcome
+
+        zero = set(zero_signal_samples(diagnostic.get("samples") or []))
+        kept = [row for index, row in enumerate(rows) if index not in zero]
+        data = {"diagnostic_id": diagnostic_id, "dropped": len(zero), "kept": len(kept), "rows": len(rows)}
+        if not kept:
+            message = (f"Every training row is zero-signal in diagnostic {diagnostic_id} (no sample got mixed "
+                       "scores), so drop_zero_signal leaves nothing to train on.")
+            await self.hooks.on_event("error", message, data)
+            return TrainingOutcome("failed", 0, 0, 0, {"code": "no_signal", "message": message, "param": None}, None)
+        await self.hooks.on_event("info", f"Dropped {len(zero)} zero-signal samples of {len(rows)} "
+                                          f"(diagnostic {diagnostic_id}); training on {len(kept)} rows.", data)
+        return kept
+
+
 class ControlHooks:
     """The trainer's reporting channel: every call becomes an idempotent push."""
 
-    def __init__(self, run: JobRun, resolved: dict[str, Any]) -> None:
+    def __init__(self, run: JobRun, resolved: dict[str, Any] | None) -> None:
         self.run, self.client, self.job_id = run, run.client, run.job_id
         self.resolved = resolved
         self._events = 0

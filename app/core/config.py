@@ -79,9 +79,35 @@ class Settings(BaseSettings):
         description="How long a worker's claim on a job lasts without a heartbeat; the watchdog re-queues the job after that.",
     )
     watchdog_interval_s: float = Field(10.0, gt=0, description="How often the API looks for jobs whose worker lease expired.")
+    webhook_queue: str = Field("webhooks", description="Celery queue that webhook deliveries are sent to.")
+    webhook_timeout_s: float = Field(10.0, gt=0, le=300, description="Time limit of one webhook delivery attempt.")
+    webhook_retry_schedule_s: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5, 300, 1800, 7200, 18000, 36000, 36000],
+        description="Comma-separated delays, in seconds, before each retry of a failed webhook delivery (about 27.6 h in all); after the last one the delivery fails and its endpoint is disabled.",
+    )
+    webhook_retry_jitter: float = Field(
+        0.2, ge=0, lt=1, description="Each retry delay is multiplied by a random factor in [1 - jitter, 1 + jitter]."
+    )
+    webhook_sweep_interval_s: float = Field(
+        5.0, gt=0, description="How often the API hands due webhook deliveries (retries, lost tasks) to the broker."
+    )
+    webhook_redispatch_after_s: float = Field(
+        600.0, gt=0,
+        description="A webhook delivery handed to the broker but not picked up by a worker after this long is handed over again.",
+    )
     checkpoint_dir: Path | None = Field(
         None,
         description="Checkpoint and training-state storage shared by the workers; default `<data_dir>/checkpoints`.",
+    )
+    dashboard_secret: SecretStr | None = Field(
+        None,
+        description="Key that signs the dashboard's session cookies; unset: derived from AGENT_RFT_WORKER_TOKEN.",
+    )
+    dashboard_session_max_age_s: int = Field(
+        12 * 3600, ge=60, description="How long a dashboard login lasts, in seconds."
+    )
+    dashboard_poll_s: float = Field(
+        5.0, gt=0, le=60, description="How often an open dashboard page asks for new data while its job or diagnostic is active."
     )
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
@@ -92,6 +118,20 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("webhook_retry_schedule_s", mode="before")
+    @classmethod
+    def _split_schedule(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("webhook_retry_schedule_s")
+    @classmethod
+    def _check_schedule(cls, delays: list[float]) -> list[float]:
+        if any(delay < 0 for delay in delays):
+            raise ValueError("retry delays must not be negative")
+        return delays
 
     @field_validator("outbound_allowlist")
     @classmethod

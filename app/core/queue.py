@@ -25,5 +25,26 @@ class JobQueue:
         )
         return task_id
 
+    def enqueue_diagnostic(self, diagnostic_id: str) -> str:
+        """A variance diagnostic runs on the same workers (and queue) as training."""
+        from workers.celery_app import RUN_DIAGNOSTIC_TASK
+
+        task_id = f"{diagnostic_id}.{uuid.uuid4().hex[:12]}"
+        self.celery.send_task(
+            RUN_DIAGNOSTIC_TASK, args=[diagnostic_id], task_id=task_id, queue=self.settings.training_queue,
+            retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+        )
+        return task_id
+
+    def enqueue_webhook(self, delivery_id: str) -> str:
+        """Hand one webhook delivery to the workers. No publish retries here: a delivery the broker
+        did not take is handed over again by the API's webhook sweeper (app/webhooks/dispatcher.py)."""
+        from workers.celery_app import DELIVER_WEBHOOK_TASK
+
+        task_id = f"{delivery_id}.{uuid.uuid4().hex[:12]}"
+        self.celery.send_task(DELIVER_WEBHOOK_TASK, args=[delivery_id], task_id=task_id,
+                              queue=self.settings.webhook_queue, retry=False)
+        return task_id
+
     def close(self) -> None:
         self.celery.close()

@@ -47,6 +47,8 @@ class JobRollout(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "trace_id", name="uq_job_rollouts_job_trace"),
         Index("ix_job_rollouts_job_step", "job_id", "step"),
+        # The dashboard's rollout browser filtered by sample (migration 0005).
+        Index("ix_job_rollouts_job_sample", "job_id", "sample_index", "step"),
     )
 
     seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)

@@ -42,6 +42,8 @@ from app.internal.schemas import (
 from app.jobs import service as jobs
 from app.jobs.models import Checkpoint, Job
 from app.jobs.state import TRANSITIONS, JobStatus, add_event, transition
+from app.webhooks import outbox
+from app.webhooks.events import CHECKPOINT_CREATED
 
 S = JobStatus
 KEPT_BEST_CHECKPOINTS = 3
@@ -286,6 +288,9 @@ def push_checkpoint(*, session: Session, job_id: str, step: int, body: Checkpoin
     metrics = {"step": step, **finite_json(body.metrics)}
     checkpoint = jobs.record_checkpoint(session=session, job=job, step_number=step, model_ref=name, metrics=metrics)
     checkpoint.path = body.path
+    outbox.record_event(session, project_id=job.project_id, event_type=CHECKPOINT_CREATED, data={
+        "id": job.id, "checkpoint_id": checkpoint.id, "step_number": step, "fine_tuned_model_checkpoint": name,
+        "metrics": metrics})
     delete_paths = prune_checkpoints(session, job_id)
     session.flush()
     return CheckpointResult(id=checkpoint.id, created=True, delete_paths=delete_paths)

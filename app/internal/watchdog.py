@@ -55,12 +55,16 @@ class Watchdog(threading.Thread):
         self.session_factory, self.queue, self.interval_s = session_factory, queue, interval_s
         self._stopped = threading.Event()
 
+    def round(self) -> list[str]:
+        """One pass; returns the ids re-queued (subclasses watch other objects the same way)."""
+        return expire_leases(self.session_factory, self.queue)
+
     def run(self) -> None:
         while not self._stopped.is_set():
             try:
-                requeued = expire_leases(self.session_factory, self.queue)
+                requeued = self.round()
                 if requeued:
-                    log.warning("re-queued jobs whose worker stopped heartbeating: %s", ", ".join(requeued))
+                    log.warning("re-queued %s whose worker stopped heartbeating", ", ".join(requeued))
             except Exception:  # noqa: BLE001 - the watchdog must outlive a database or broker outage
                 log.exception("lease watchdog round failed")
             self._stopped.wait(self.interval_s)

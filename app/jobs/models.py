@@ -43,6 +43,8 @@ class Job(Base):
     resume_state: Mapped[str | None] = mapped_column(Text, nullable=True)
     completed_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     resolved_hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    # The variance diagnostic this job ran before training (x_open_model.diagnostic), once created.
+    diagnostic_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class JobEvent(Base):

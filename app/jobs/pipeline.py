@@ -20,8 +20,9 @@ from app.jobs.validation import FileReport, validate_jsonl
 log = logging.getLogger(__name__)
 
 
-def _file_report(session: Session, storage: Storage, job: Job, file_id: str, declared: set[str]) -> FileReport | str:
-    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == job.project_id))
+def _file_report(session: Session, storage: Storage, project_id: str, file_id: str,
+                 declared: set[str]) -> FileReport | str:
+    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
     if row is None:
         return f"file '{file_id}' no longer exists"
     try:
@@ -58,12 +59,21 @@ def validate_job_files(session: Session, storage: Storage, job: Job, *, min_rows
     if job.validation_file:
         files.append(("validation_file", job.validation_file, 1))
     for param, file_id, rows_needed in files:
-        report = _file_report(session, storage, job, file_id, declared)
-        failure = _failure(param, file_id, report, rows_needed)
+        failure, rows = check_file_rows(session, storage, project_id=job.project_id, param=param, file_id=file_id,
+                                        declared_tools=declared, min_rows=rows_needed)
         if failure:
             return failure
-        add_event(session, job, f"{param} '{file_id}' is valid: {report.rows} row{'s' if report.rows != 1 else ''}.")
+        add_event(session, job, f"{param} '{file_id}' is valid: {rows} row{'s' if rows != 1 else ''}.")
     return None
+
+
+def check_file_rows(session: Session, storage: Storage, *, project_id: str, param: str, file_id: str,
+                    declared_tools: set[str], min_rows: int) -> tuple[dict[str, Any] | None, int]:
+    """Every line of a stored JSONL file checked: (the error to report or None, valid rows).
+    Jobs and variance diagnostics validate their files with this."""
+    report = _file_report(session, storage, project_id, file_id, declared_tools)
+    failure = _failure(param, file_id, report, min_rows)
+    return failure, (0 if isinstance(report, str) else report.rows)
 
 
 def run_validation(factory: sessionmaker[Session], storage: Storage, queue: JobQueue, job_id: str, *, min_rows: int) -> None:

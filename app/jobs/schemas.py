@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from app.core.urls import check_http_url
+from app.diagnostics.options import JobDiagnosticOptions
 from app.graders.schemas import Grader
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -83,10 +84,14 @@ class OpenModelOptions(BaseModel):
     loss: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description="Advantage estimator and normalisation.")
     kl_coef: float = Field(0.0, ge=0, le=10, description="Weight of the KL penalty to the reference policy.")
     clip_epsilon: float = Field(0.2, gt=0, le=1, description="PPO-style ratio clip.")
+    learning_rate: float | None = Field(
+        None, gt=0, le=1, description="Absolute learning rate; overrides learning_rate_multiplier × the base rate.")
     max_tokens_per_turn: int = Field(256, ge=1, le=32768)
     max_tokens_per_rollout: int = Field(2048, ge=1, le=262144)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    diagnostic: JobDiagnosticOptions | None = Field(
+        None, description="Run the variance diagnostic before training (docs/diagnostics.md).")
 
 
 class ReinforcementMethod(BaseModel):
@@ -123,14 +128,19 @@ class JobCreate(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is None:
-            return None
-        if len(metadata) > 16:
-            raise ValueError("at most 16 key-value pairs")
-        for key, value in metadata.items():
-            if len(key) > 64 or len(value) > 512:
-                raise ValueError("keys are at most 64 characters and values at most 512")
-        return metadata
+        return check_metadata(metadata)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata` (jobs and diagnostics)."""
+    if metadata is None:
+        return None
+    if len(metadata) > 16:
+        raise ValueError("at most 16 key-value pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise ValueError("keys are at most 64 characters and values at most 512")
+    return metadata
 
 
 class JobError(BaseModel):
@@ -166,6 +176,8 @@ class JobObject(BaseModel):
     metadata: dict[str, str] | None = None
     method: dict[str, Any]
     suffix: str | None = None
+    diagnostic_id: str | None = Field(None, description="This service's extension: the variance diagnostic run "
+                                      "before training (x_open_model.diagnostic).")
 
 
 class JobEventObject(BaseModel):

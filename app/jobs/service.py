@@ -17,7 +17,15 @@ from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
 from app.idempotency import service as idempotency
 from app.jobs.models import Checkpoint, Job, JobEvent
-from app.jobs.schemas import CheckpointObject, JobCreate, JobError, JobEventObject, JobHyperparameters, JobObject
+from app.jobs.schemas import (
+    CheckpointObject,
+    JobCreate,
+    JobError,
+    JobEventObject,
+    JobHyperparameters,
+    JobObject,
+    Method,
+)
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
 from app.jobs.validation import parameters_schema_problem
 
@@ -62,6 +70,7 @@ def to_schema(job: Job) -> JobObject:
         status=job.status, trained_tokens=job.trained_tokens, training_file=job.training_file,
         validation_file=job.validation_file, estimated_finish=unix(job.estimated_finish),
         metadata=job.user_metadata, method=_public_method(method), suffix=job.suffix,
+        diagnostic_id=job.diagnostic_id,
     )
 
 
@@ -74,7 +83,17 @@ def _graders_with_urls(grader: Any, path: str) -> list[tuple[str, Any]]:
 
 
 def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
-    method = body.method
+    if body.hyperparameters:
+        raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
+                          param="hyperparameters")
+    if body.integrations:
+        raise bad_request("Integrations are not supported by this service.", param="integrations")
+    return check_method(body.method, settings)
+
+
+def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
+    """The stored form of a `method` block, after every synchronous check (also used by the
+    variance diagnostic, which takes the same block)."""
     if method is None:
         raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
                        code="missing_required_parameter", param="method")
@@ -84,11 +103,6 @@ def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
     if method.reinforcement is None:
         raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
                        code="missing_required_parameter", param="method.reinforcement")
-    if body.hyperparameters:
-        raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
-                          param="hyperparameters")
-    if body.integrations:
-        raise bad_request("Integrations are not supported by this service.", param="integrations")
     seen: set[str] = set()
     for i, tool in enumerate(method.reinforcement.tools):
         if tool.name in seen:
@@ -114,7 +128,8 @@ def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
     return {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
 
 
-def _check_file(session: Session, project_id: str, file_id: str, param: str) -> None:
+def check_file(session: Session, project_id: str, file_id: str, param: str) -> None:
+    """A file of this project, with purpose fine-tune, stored: else 400 naming `param`."""
     row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
     if row is None:
         raise bad_request(f"Invalid file id '{file_id}': no such file.", param=param, code="invalid_file")
@@ -135,9 +150,9 @@ def create_job(
     if replay is not None:
         return get_job(session=session, project_id=project_id, job_id=replay), False
     method = _check_method(body, settings)
-    _check_file(session, project_id, body.training_file, "training_file")
+    check_file(session, project_id, body.training_file, "training_file")
     if body.validation_file:
-        _check_file(session, project_id, body.validation_file, "validation_file")
+        check_file(session, project_id, body.validation_file, "validation_file")
     job = Job(
         id=new_id("ftjob-"), project_id=project_id, model=body.model, training_file=body.training_file,
         validation_file=body.validation_file, status=JobStatus.VALIDATING_FILES.value, method=method,

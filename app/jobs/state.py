@@ -11,6 +11,7 @@ from app.core.db import utcnow
 from app.core.errors import conflict
 from app.core.ids import new_id
 from app.jobs.models import Job, JobEvent
+from app.webhooks import outbox
 
 
 class JobStatus(StrEnum):
@@ -72,3 +73,5 @@ def transition(
     if to == S.QUEUED:
         job.enqueued_at = None  # (re)sent to the broker after the commit
     add_event(session, job, message, level=level, data={"status": to.value, "previous_status": current.value})
+    # Webhook events (succeeded, failed, cancelled, paused) are written in this same transaction.
+    outbox.job_status_changed(session, project_id=job.project_id, job_id=job.id, status=to.value)

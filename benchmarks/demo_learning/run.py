@@ -1,12 +1,13 @@
 """Does RFT make SmolLM2-135M-Instruct measurably better on the financial-reports task, on the CPU?
 
 Everything runs in-process and for real: the synthetic corpus of examples/financial_reports, its
-tool server (search / list / cat) under uvicorn on 127.0.0.1, the numeric_match grader, the
-rollout engine and workers.rl.trainer.Trainer with in-memory hooks. No Celery, no API.
+tool server (search / list / cat) under uvicorn on 127.0.0.1, the demo's grader, the
+rollout engine and workers.rl.trainer.Trainer with in-memory hooks. No Celery, no API. Every
+setting is the demo's own (examples/financial_reports/demo_config.py, read by `demo_settings`).
 
-The task (SETTINGS["task"]): one question per report and line item quoted in the report's text
-("What was X's revenue in 2023?", "... net income ..."), so one `search` returns a snippet that
-holds the answer. Train and held-out questions are about DIFFERENT companies.
+The task (examples/financial_reports/demo_task.py): one question per report and line item quoted
+in the report's text ("What was X's revenue in 2023?", "... net income ..."), so one `search`
+returns a snippet that holds the answer. Train and held-out questions are about DIFFERENT companies.
 
     .venv/bin/python -m benchmarks.demo_learning.run signal [--samples 30 --k 4]
     .venv/bin/python -m benchmarks.demo_learning.run train [--seeds 0 1 2] [--steps 12] [--model ...]
@@ -25,7 +26,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import tempfile
 import time
 from contextlib import ExitStack
@@ -39,91 +39,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the search embedder loads from i
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "demo_learning.json"
 
-SYSTEM_PROMPT = """You have a tool named search. Example:
-User: What was Foo Corp revenue in 2021?
-Assistant: <tool_call>{"name": "search", "arguments": {"query": "Foo Corp revenue 2021"}}</tool_call>"""
+def demo_settings() -> dict[str, Any]:
+    """The demo's own settings (examples/financial_reports/demo_config.py), in the shape this
+    benchmark uses: what the README quotes is what `make demo` runs."""
+    from examples.financial_reports.demo_config import DEMO, grader_spec
+    from workers.rl.trainer import group_size_for
 
-# The same example as real chat turns (a tool result renders as a user turn of <tool_response> blocks),
-# ending in the answer format the grader reads: the number alone.
-FEW_SHOT: list[dict[str, Any]] = [
-    {"role": "user", "content": "What was Foo Corp's net income in 2021?"},
-    {"role": "assistant", "content": '<tool_call>{"name": "search", "arguments": {"query": "Foo Corp net income 2021"}}'
-                                     '</tool_call>'},
-    {"role": "tool", "content": "foo-corp/2021/annual-report.md — In 2021, Foo Corp reported revenue of $512.3 "
-                                "million, up 4.0% from 2020. Net income was $40.1 million."},
-    {"role": "assistant", "content": "40.1"},
-]
-
-# The demo's settings in one place (the lead copies them into examples/financial_reports/demo_config.py).
-SETTINGS: dict[str, Any] = {
-    "model": "SmolLM2-135M-Instruct",
-    "task": {"corpus_seed": 0, "companies": 16, "years": [2022, 2023], "items": ["revenue", "net income"],
-             "held_out_companies": 6},
-    "system_prompt": SYSTEM_PROMPT,
-    "few_shot": [],  # FEW_SHOT measured worse: 8% of rollouts called a tool against 31% without
-    # Partial credit for the right first move (a tool call whose arguments name the company), most of
-    # the reward for the right number: SmolLM2-135M almost never gets the number on its own.
-    "grader": {"type": "multi", "name": "searched and correct", "calculate_output": "0.3 * searched + 0.7 * correct",
-               "graders": {
-                   "searched": {"type": "string_check", "name": "searched for the company",
-                                "input": "{{sample.output_tools}}", "reference": "{{item.company}}",
-                                "operation": "ilike"},
-                   "correct": {"type": "numeric_match", "name": "correct number", "input": "{{sample.output_text}}",
-                               "reference": "{{item.answer}}", "scale": "{{item.scale}}", "pick": "last"}}},
-    "engine": {"max_episode_steps": 2, "max_tokens_per_turn": 48, "max_tokens_per_rollout": 96,
-               "temperature": 0.7, "top_p": 1.0},
-    "training": {"batch_size": 4, "group_size": 4, "steps": 5, "learning_rate": 1e-3, "lora_rank": 16,
-                 "lora_alpha": 32, "loss": "grpo", "kl_coef": 0.0, "clip_epsilon": 0.2},
-    "eval": {"rollouts_per_question": 2},
-}
-
-# A report's text quotes the report year's revenue and net income: "reported revenue of $1,234.5 million
-# ... Net income was $98.7 million." These are the questions one search answers.
-_QUOTED = {"revenue": r"reported revenue of \$([\d,\.]+) (thousand|million)",
-           "net income": r"Net income was \$([\d,\.]+) (thousand|million)"}
-
-
-def lookup_rows(corpus_seed: int, companies: int, years: list[int], items: list[str]) -> list[dict[str, Any]]:
-    """One row per report and quoted line item, answers read from the generated report text."""
-    from examples.financial_reports.synthetic import generate
-
-    documents, _ = generate(corpus_seed, companies, years)
-    rows = []
-    for document in documents:
-        company, year = document.title.split(" — Annual report ")
-        text = document.render()
-        for item in items:
-            match = re.search(_QUOTED[item], text)
-            if match is None:
-                raise ValueError(f"{document.path}: no quoted {item}")
-            rows.append({"messages": [{"role": "user", "content": f"What was {company}'s {item} in {year}?"}],
-                         "answer": match[1].replace(",", ""), "scale": match[2], "company": company,
-                         "year": year, "document": document.path})
-    return rows
-
-
-def with_prompt(rows: list[dict[str, Any]], prompt: str, few_shot: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The system prompt, then the worked example as real chat turns, then the question."""
-    return [{**row, "messages": [{"role": "system", "content": prompt}, *few_shot, *row["messages"]]}
-            for row in rows]
-
-
-def split_by_company(rows: list[dict[str, Any]], held_out: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): the last `held_out` companies (in generation order, itself seeded) are never trained on."""
-    names = list(dict.fromkeys(row["company"] for row in rows))
-    test = set(names[len(names) - held_out:])
-    return [r for r in rows if r["company"] not in test], [r for r in rows if r["company"] in test]
+    x = DEMO.x_open_model
+    return {
+        "model": DEMO.model,
+        "task": {"corpus_seed": DEMO.seed, "companies": DEMO.companies, "years": list(DEMO.years),
+                 "held_out_companies": DEMO.held_out_companies},
+        "system_prompt": DEMO.system_prompt,
+        "grader": grader_spec(DEMO.grader, "http://unused.invalid"),
+        "engine": {"max_episode_steps": DEMO.max_episode_steps, "max_tokens_per_turn": x["max_tokens_per_turn"],
+                   "max_tokens_per_rollout": x["max_tokens_per_rollout"], "temperature": x["temperature"],
+                   "top_p": x.get("top_p", 1.0)},
+        "training": {"batch_size": DEMO.hyperparameters["batch_size"],
+                     "group_size": group_size_for(DEMO.hyperparameters["compute_multiplier"]),
+                     "steps": DEMO.steps, "learning_rate": x["learning_rate"], "lora_rank": x["lora_rank"],
+                     "lora_alpha": x["lora_alpha"], "loss": x["loss"], "kl_coef": x["kl_coef"],
+                     "clip_epsilon": x.get("clip_epsilon", 0.2)},
+        "eval": {"rollouts_per_question": 2},
+    }
 
 
 def build_task(settings: dict[str, Any], out_dir: Path) -> tuple[Path, list[dict], list[dict]]:
-    from examples.financial_reports.synthetic import write_synthetic
+    from examples.financial_reports import demo_task
 
     task = settings["task"]
-    corpus = write_synthetic(out_dir, task["corpus_seed"], task["companies"], task["years"])
-    rows = with_prompt(lookup_rows(task["corpus_seed"], task["companies"], task["years"], task["items"]),
-                       settings["system_prompt"], settings["few_shot"])
-    train, held_out = split_by_company(rows, task["held_out_companies"])
-    return corpus, train, held_out
+    return demo_task.build(out_dir, seed=task["corpus_seed"], companies=task["companies"], years=task["years"],
+                           held_out_companies=task["held_out_companies"], system_prompt=settings["system_prompt"])
 
 
 # --- the pieces of a run --------------------------------------------------------------------------
@@ -171,7 +117,7 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
     graded = await grade_rollouts(grader(settings), GraderContext(), records, [s.item for s in specs])
     return [{"row": s.sample_index, "reward": g.reward or 0.0, **sub_rewards(g), "tool_calls": len(g.record.tool_calls),
              "tokens": g.record.completion_tokens, "seconds": g.record.wall_time_s,
-             "finish": g.record.finish_reason, "answer": g.record.final_answer}
+             "finish": g.record.finish_reason, "answer": g.record.final_answer, "messages": g.record.messages}
             for s, g in zip(specs, graded)]
 
 
@@ -212,7 +158,9 @@ class QuietHooks:
     async def on_step(self, step: int, metrics: dict, train_records: list[dict]) -> None:
         self.metrics.append(metrics)
         t, timing = metrics["train"], metrics["timing"]["step"]
+        correct = (metrics["scores"].get("train_sub_rewards") or {}).get("correct")
         print(f"  step {step}/{metrics['total_steps']}: reward {metrics['scores']['train_reward_mean']:.3f} "
+              + (f"correct {correct:.3f} " if correct is not None else "") +
               f"mixed groups {1 - t['frac_reward_zero_std']:.2f} tool calls "
               f"{metrics['tools'].get('tool_calls_per_rollout', 0):.2f} "
               f"sampling {timing['sampling']:.1f}s training {timing['training']:.1f}s "
@@ -274,6 +222,7 @@ async def train_one_seed(settings: dict[str, Any], port: int, train_rows: list[d
     return {"seed": seed, "before": metrics(before), "after": metrics(after), "train_seconds": train_seconds,
             "steps": len(steps), "step_seconds_mean": mean(steps),
             "train_reward_curve": [m["scores"]["train_reward_mean"] for m in hooks.metrics],
+            "train_correct_curve": [(m["scores"].get("train_sub_rewards") or {}).get("correct") for m in hooks.metrics],
             "mixed_group_share_curve": [1 - m["train"]["frac_reward_zero_std"] for m in hooks.metrics]}
 
 
@@ -323,21 +272,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["signal", "train"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=SETTINGS["training"]["steps"])
-    parser.add_argument("--model", default=SETTINGS["model"])
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--model")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--temperature", type=float, default=SETTINGS["engine"]["temperature"])
-    parser.add_argument("--learning-rate", type=float, default=SETTINGS["training"]["learning_rate"])
-    parser.add_argument("--few-shot", action="store_true", help="add FEW_SHOT's worked example as chat turns")
-    parser.add_argument("--batch-size", type=int, default=SETTINGS["training"]["batch_size"])
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--batch-size", type=int)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the demo's 2 cores)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = {**SETTINGS, "model": args.model, "few_shot": FEW_SHOT if args.few_shot else [],
-                "engine": {**SETTINGS["engine"], "temperature": args.temperature},
-                "training": {**SETTINGS["training"], "steps": args.steps, "learning_rate": args.learning_rate,
-                                 "batch_size": args.batch_size}}
+    settings = demo_settings()
+    overrides = {"model": args.model, "engine.temperature": args.temperature, "training.steps": args.steps,
+                 "training.learning_rate": args.learning_rate, "training.batch_size": args.batch_size}
+    for path, value in overrides.items():
+        if value is not None:
+            *parents, key = path.split(".")
+            target = settings
+            for parent in parents:
+                target = target[parent]
+            target[key] = value
     with tempfile.TemporaryDirectory(prefix="demo-learning-") as tmp, ExitStack() as stack:
         corpus, train_rows, held_out = build_task(settings, Path(tmp) / "data")
         port = serve_tools(stack, corpus, Path(tmp) / "index")
@@ -347,13 +301,35 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(report, indent=2))
             out = {"signal": report, "settings": settings}
         else:
-            runs = [asyncio.run(train_one_seed(settings, port, train_rows, held_out, seed, Path(tmp) / f"run-{seed}"))
-                    for seed in args.seeds]
-            print(table(runs))
-            out = {"runs": runs, "settings": settings, "table": table(runs)}
+            runs = []
+            for seed in args.seeds:
+                runs.append(asyncio.run(train_one_seed(settings, port, train_rows, held_out, seed,
+                                                       Path(tmp) / f"run-{seed}")))
+                save("train", merged_runs(settings, runs))  # each seed as soon as it is done
+            out = merged_runs(settings, runs)
+            print(out["table"])
+    if args.command == "signal":
+        save("signal", out)
+    print(f"wrote {RESULTS}")
+
+
+def merged_runs(settings: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """This invocation's seeds plus those of earlier invocations WITH THE SAME SETTINGS (a seed
+    run again replaces its earlier run), so `--seeds 1 2` after `--seeds 0` reports all three."""
+    previous = load().get("train", {})
+    kept = {r["seed"]: r for r in previous.get("runs", [])} if previous.get("settings") == settings else {}
+    kept.update({r["seed"]: r for r in runs})
+    merged = [kept[seed] for seed in sorted(kept)]
+    return {"runs": merged, "seeds": sorted(kept), "settings": settings, "table": table(merged)}
+
+
+def load() -> dict[str, Any]:
+    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+
+
+def save(command: str, out: dict[str, Any]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    RESULTS.write_text(json.dumps({**previous, args.command: out}, indent=2))
+    RESULTS.write_text(json.dumps({**load(), command: out}, indent=2))
     print(f"wrote {RESULTS}")
 
 

@@ -4,7 +4,7 @@
 
 `POST /grade` with `{"sample", "item", "trace_id"}` answers `{"score", "details"}`:
 
-    correct    = 1 if the last number of sample.output_text matches item.answer (with item.scale),
+    correct    = 1 if the first number of sample.output_text that is not a bare year matches item.answer (with item.scale),
                  within 1 % (the numeric_match grader's parsing: "$1,234.5", "(12)", "7%", "1.2 million")
     calls      = how many tool calls the tool server logged for this trace_id (GET /traces/{trace_id})
     efficiency = max(0.5, 1 - 0.05 * max(0, calls - 2))     two calls (search, cat) are free
@@ -51,7 +51,7 @@ class GradeRequest(BaseModel):
 
 def is_correct(output_text: str, answer: str, scale: str, rel_tol: float = 0.01) -> bool:
     reference = reference_amount(str(answer), scale)
-    given = pick_amount(output_text, "last")
+    given = pick_amount(output_text, "first", ignore_years=True)
     return given is not None and amounts_match(given, reference, rel_tol, 1e-9)
 
 

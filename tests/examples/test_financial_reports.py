@@ -91,6 +91,33 @@ def test_synthetic_is_deterministic_per_seed(tmp_path: Path) -> None:
     assert read_jsonl(tmp_path / "questions.jsonl") == generate(1, 2, [2022, 2023])[1]
 
 
+def test_demo_task_answers_are_the_report_tables_figures_and_held_out_companies_are_unseen(tmp_path: Path) -> None:
+    from examples.financial_reports import demo_task
+
+    corpus, train, held_out = demo_task.build(tmp_path, seed=5, companies=7, years=[2022, 2023],
+                                              held_out_companies=2, system_prompt="SYS")
+    documents = {p.relative_to(corpus).as_posix(): p.read_text() for p in corpus.rglob("*.md")}
+    assert len(train) + len(held_out) == 7 * 2 * 2  # every report: its revenue and its net income
+    for row in train + held_out:
+        assert row["messages"][0] == {"role": "system", "content": "SYS"}
+        question = row["messages"][1]["content"]
+        assert question == f"What was {row['company']}'s {'revenue' if 'revenue' in question else 'net income'} " \
+                           f"in {row['year']}?"
+        # Recomputed from the report's own table: the line item's figure in the report year's column,
+        # in the table's unit (the heading says which).
+        page = documents[row["document"]]
+        cells = parse_markdown_table(page)
+        column = cells[0].index(row["year"])
+        label = "Revenue" if "revenue" in question else "Net income"
+        figure = next(_number(r[column]) for r in cells[1:] if r[0] == label)
+        assert float(row["answer"]) == pytest.approx(figure)
+        assert f"(in {row['scale']}s of USD" in page
+    assert not {r["company"] for r in train} & {r["company"] for r in held_out}
+    assert len({r["company"] for r in held_out}) == 2
+    with pytest.raises(ValueError, match="held_out_companies"):
+        demo_task.split_by_company(train, 0)
+
+
 # --- TAT-QA -------------------------------------------------------------------------------------
 
 

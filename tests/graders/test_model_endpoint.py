@@ -51,6 +51,7 @@ class Scripted:
         self.script: deque[tuple[int, Any]] = deque()
         self.default: tuple[int, Any] = (500, {"error": "nothing scripted"})
         self.delay_s = 0.0
+        self.in_flight = self.max_in_flight = 0  # requests being answered at once
         self.lock = threading.Lock()
         self.app = FastAPI()
         self.app.add_api_route("/{path:path}", self._answer, methods=["POST"])
@@ -61,6 +62,7 @@ class Scripted:
             self.script = deque(answers)
             self.default = default or (500, {"error": "nothing scripted"})
             self.delay_s = delay_s
+            self.in_flight = self.max_in_flight = 0
 
     async def _answer(self, path: str, request: Request):  # noqa: ANN202
         arrived = time.monotonic()
@@ -68,8 +70,14 @@ class Scripted:
         with self.lock:
             status, answer = self.script.popleft() if self.script else self.default
             self.requests.append({"path": "/" + path, "headers": dict(request.headers), "body": body, "at": arrived})
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
         if isinstance(answer, str):
             return PlainTextResponse(answer, status_code=status)
         return JSONResponse(answer, status_code=status)
@@ -416,11 +424,11 @@ def test_grade_many_runs_concurrently_and_keeps_order(judge):
         finally:
             await close_http_client(ctx)
 
-    started = time.monotonic()
     grades = asyncio.run(batch())
-    elapsed = time.monotonic() - started
 
-    assert elapsed < 2.5, f"100 gradings of 50 ms each took {elapsed:.2f} s"
+    # Concurrent, within the bound: many gradings were waiting on the judge at once, never over 32
+    # (counted at the server, so a loaded machine cannot make this flaky).
+    assert 8 <= scripted.max_in_flight <= 32, scripted.max_in_flight
     assert [g.index for g in grades] == list(range(100))
     assert [g.trace_id for g in grades] == [f"trace_{i}" for i in range(100)]
     assert all(g.reward == 1.0 and g.passed and g.errors == [] and g.latency_s >= 0.05 for g in grades)

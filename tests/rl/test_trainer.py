@@ -275,6 +275,8 @@ def test_explicit_hyperparameters_and_open_model_options_are_used():
     assert cfg.engine == EngineConfig(max_episode_steps=2, max_tokens_per_turn=64, max_tokens_per_rollout=128,
                                       temperature=0.7, top_p=0.9)
     assert resolved["learning_rate_multiplier"] == 4.0 and resolved["compute_multiplier"] == 2.0
+    absolute = {**reinforcement, "x_open_model": {"learning_rate": 1e-3}}
+    assert resolve_hyperparameters(absolute, n_train=40, n_valid=10, seed=1)[0].learning_rate == 1e-3  # overrides
     with pytest.raises(ValueError, match="batch_size"):
         resolve_hyperparameters({"hyperparameters": {"batch_size": 0}}, n_train=4, n_valid=0, seed=0)
     with pytest.raises(ValueError, match="no rows"):

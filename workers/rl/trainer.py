@@ -150,7 +150,8 @@ def resolve_hyperparameters(
     )
     config = TrainingConfig(
         batch_size=batch_size, n_epochs=n_epochs, group_size=group_size_for(compute),
-        learning_rate=lr_multiplier * BASE_LEARNING_RATE[options.training_mode], eval_interval=eval_interval,
+        learning_rate=options.learning_rate or lr_multiplier * BASE_LEARNING_RATE[options.training_mode],
+        eval_interval=eval_interval,
         eval_samples=eval_samples, loss=options.loss, kl_coef=options.kl_coef, clip_epsilon=options.clip_epsilon,
         training_mode=options.training_mode, lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
         engine=engine, seed=seed,
@@ -258,6 +259,12 @@ def take_batch(position: DataPosition, n_rows: int, seed: int, size: int) -> tup
         rows.append(order[index])
         index += 1
     return rows, DataPosition(epoch, index, list(order))
+
+
+def spec_for(prompt: Prompt, seed: int) -> RolloutSpec:
+    """The rollout engine's input for one run of `prompt` (training, eval and the diagnostic)."""
+    return RolloutSpec(sample_index=prompt.row_index, messages=prompt.messages, tools=prompt.tools,
+                       item=prompt.item, seed=seed)
 
 
 def rollout_seed(*parts: Any) -> int:
@@ -583,7 +590,7 @@ class Trainer:
         c = self.config
         started = time.perf_counter()
         rows, next_position = take_batch(self.progress.position, len(self.train_prompts), c.seed, c.batch_size)
-        specs = [self._spec(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
+        specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
         sampled_at = time.perf_counter()
@@ -610,11 +617,6 @@ class Trainer:
         self.progress.position = next_position
         if step % c.state_interval == 0 or step == self.total_steps:
             await self._save_state()
-
-    @staticmethod
-    def _spec(prompt: Prompt, seed: int) -> RolloutSpec:
-        return RolloutSpec(sample_index=prompt.row_index, messages=prompt.messages, tools=prompt.tools,
-                           item=prompt.item, seed=seed)
 
     def _check_failure_rates(self, step: int, graded: list[GradedRollout]) -> None:
         """Raise StepFailure when the step's tool-failure or grader-failure rate is over its limit."""
@@ -703,7 +705,7 @@ class Trainer:
 
     async def _evaluate(self) -> dict[str, Any]:
         """One rollout per eval prompt, with the same seeds at every eval."""
-        specs = [self._spec(prompt, rollout_seed(self.config.seed, "eval", i))
+        specs = [spec_for(prompt, rollout_seed(self.config.seed, "eval", i))
                  for i, prompt in enumerate(self.eval_prompts)]
         records = await self.engine.run(specs)
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])

@@ -1,0 +1,90 @@
+"""The job page's charts: which per-step metrics (keys of job_metrics, i.e. the flattened keys of
+the trainer's metrics event, see workers/rl/trainer.py `_step_metrics`) each chart draws.
+
+A series is either one key or every key under a prefix (one trace per tool, per grader...);
+the page's script turns these specs into plotly traces, so adding a chart is adding a spec."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    key: str | None = None  # one metric key
+    prefix: str | None = None  # or one trace per key under this prefix, named by the rest of the key
+    markers: bool = False  # points only where the metric exists (validation runs at eval steps)
+    exclude: tuple[str, ...] = ()  # keys under `prefix` to leave out
+
+
+@dataclass(frozen=True)
+class Chart:
+    id: str
+    title: str
+    y_title: str
+    series: tuple[Series, ...]
+    stacked: bool = False  # stacked areas, with a toggle to shares of the total
+    percent: bool = False  # values are rates in [0, 1]
+    help: str = ""
+
+
+CHARTS: tuple[Chart, ...] = (
+    Chart("reward", "Reward", "mean reward", (
+        Series("train", key="scores.train_reward_mean"),
+        Series("validation", key="scores.valid_reward_mean", markers=True),
+    ), help="Mean grader reward of the step's training rollouts, and of the fixed validation set at eval steps."),
+    Chart("grader-rewards", "Reward per grader", "mean sub-reward", (
+        Series("train", prefix="scores.train_sub_rewards."),
+        Series("validation", prefix="scores.valid_sub_rewards.", markers=True),
+    ), help="For multi graders: each sub-grader's mean score."),
+    Chart("tool-mix", "Tool calls per rollout, by tool", "calls per rollout", (
+        Series("tool", prefix="tools.tool_calls_per_rollout_by_tool."),
+    ), stacked=True, help="How the policy splits its calls between tools; switch to shares to see the mix shift."),
+    Chart("tool-calls", "Tool calls per rollout", "calls per rollout", (
+        Series("all tools", key="tools.tool_calls_per_rollout"),
+        Series("parse errors", key="tools.parse_errors_per_rollout"),
+    )),
+    Chart("tokens", "Tokens per rollout", "tokens", (
+        Series("completion", key="tools.completion_tokens_per_rollout"),
+        Series("tool output", key="tools.tool_output_tokens_per_rollout"),
+    )),
+    Chart("rollout-latency", "Rollout latency", "seconds", (
+        Series("mean", key="tools.wall_time_s_mean"),
+        Series("max", key="tools.wall_time_s_max"),
+    )),
+    Chart("tool-latency", "Tool latency, by tool", "seconds (mean)", (
+        Series("tool", prefix="tools.tool_latency_s_mean_by_tool."),
+    )),
+    Chart("tool-errors", "Tool error rate, by tool", "share of calls", (
+        Series("tool", prefix="tools.tool_error_rate_by_tool."),
+    ), percent=True),
+    Chart("episode-failures", "Budget exhausted and parse errors", "share of rollouts", (
+        Series("tool budget exhausted", key="tools.budget_exhausted_rate"),
+        Series("parse error", key="tools.parse_error_rate"),
+    ), percent=True),
+    Chart("zero-std", "Groups with no reward spread (frac_reward_zero_std)", "share of groups", (
+        Series("frac_reward_zero_std", key="train.frac_reward_zero_std"),
+    ), percent=True, help="Groups whose rollouts all scored the same teach nothing; a rising share means "
+                          "the task is too easy or too hard for the policy."),
+    Chart("loss", "Loss and KL", "value", (
+        Series("loss", key="train.loss"),
+        Series("KL", key="train.kl"),
+    )),
+    Chart("step-time", "Time per step", "seconds", (
+        Series("phase", prefix="timing.step.", exclude=("timing.step.full_iteration",)),
+    ), stacked=True),
+)
+
+
+def chart_specs() -> list[dict[str, Any]]:
+    return [asdict(chart) for chart in CHARTS]
+
+
+def charted_keys() -> tuple[list[str], list[str], list[str]]:
+    """The exact keys, key prefixes and excluded keys that the charts draw, for a SQL filter."""
+    exact = [s.key for c in CHARTS for s in c.series if s.key]
+    prefixes = [s.prefix for c in CHARTS for s in c.series if s.prefix]
+    excluded = [k for c in CHARTS for s in c.series for k in s.exclude]
+    return exact, prefixes, excluded

@@ -1,0 +1,113 @@
+"""A variance diagnostic on a worker: what the `run_diagnostic` task runs, and what a job with
+`x_open_model.diagnostic` runs before training (workers/tasks.py). Claim under a lease,
+heartbeat, the rows, the model, the rollouts (workers/rl/diagnostic.py), pushes, finish.
+
+Each claim gets its own ControlPlaneClient: a client holds one lease, and a job's worker holds
+the job's lease and its diagnostic's at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from workers.control_client import Claim, ControlPlaneClient, Heartbeat, LeaseHeld
+
+log = logging.getLogger(__name__)
+
+
+class DiagnosticRun:
+    """One claimed diagnostic. `outer` is the heartbeat of the job that runs it, if any: when the
+    job is paused, cancelled or lost, the diagnostic stops at its next chunk."""
+
+    def __init__(self, client: ControlPlaneClient, claim: Claim, settings: Any, *,
+                 outer: Heartbeat | None = None) -> None:
+        self.client, self.claim, self.settings, self.outer = client, claim, settings, outer
+        self.spec = claim.job
+        self.id = self.spec["id"]
+        self.heartbeat = Heartbeat(client, self.id, interval_s=max(1.0, settings.lease_seconds / 4),
+                                   call=client.diagnostic_heartbeat)
+
+    async def run(self, *, loaded: Any = None, rows: list[dict[str, Any]] | None = None) -> str:
+        """succeeded, failed, cancelled, or lost (another worker has it now). Never raises."""
+        self.heartbeat.start()
+        error = None
+        try:
+            status = await self._run(loaded, rows)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic ends with a reason, never a crashed worker
+            log.exception("diagnostic %s failed", self.id)
+            status = "failed"
+            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
+        finally:
+            self.heartbeat.stop()
+        if self.heartbeat.action == "lost":
+            return "lost"
+        try:
+            await asyncio.to_thread(self.client.finish_diagnostic, self.id, status, error=error)
+        except Exception:  # noqa: BLE001 - the watchdog re-queues a diagnostic whose worker cannot report
+            log.exception("could not report the end of diagnostic %s", self.id)
+        return status
+
+    async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
+        from pydantic import TypeAdapter
+
+        from app.graders.schemas import Grader
+        from app.graders.service import grader_context
+        from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
+        from workers.rl.models import load_model
+        from workers.rl.prompting import ChatFormatter
+        from workers.rl.rollout import RolloutEngine
+        from workers.rl.tools_client import ToolClient, ToolClientOptions
+        from workers.rl.trainer import job_tool_schemas, prompts_from_rows, resolve_hyperparameters
+
+        spec, reinforcement = self.spec, self.spec["method"]["reinforcement"]
+        if rows is None:
+            rows = await asyncio.to_thread(self.client.file_rows, spec["training_file"])
+        tools = reinforcement.get("tools", [])
+        prompts = prompts_from_rows(rows, job_tool_schemas(tools), source="training")
+        chosen = select_samples(len(prompts), spec.get("max_samples"), spec["seed"])
+        # The engine settings training would use: the diagnostic measures the same policy.
+        config, _ = resolve_hyperparameters(reinforcement, n_train=len(rows), n_valid=0, seed=spec["seed"])
+        options = ToolClientOptions()
+        basis = load_basis(reinforcement, n_train=len(rows), seed=spec["seed"],
+                           tool_max_concurrency=options.max_concurrency)
+        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, [], samples_total=len(chosen),
+                                load_basis=basis)
+        if loaded is None:
+            loaded = await asyncio.to_thread(load_model, spec["model"])
+        grader = TypeAdapter(Grader).validate_python(reinforcement["grader"])
+        async with ToolClient(tools, allowlist=self.settings.outbound_allowlist, options=options) as tool_client:
+            engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,
+                                   config.engine)
+            outcome = await run_diagnostic(
+                engine=engine, grader=grader, grader_ctx=grader_context(self.settings), prompts=prompts,
+                sample_indexes=chosen, runs_per_sample=spec["runs_per_sample"], seed=spec["seed"], hooks=self,
+                done=frozenset(spec.get("done_samples") or ()))
+        return outcome.status
+
+    # -- hooks of workers/rl/diagnostic.run_diagnostic --------------------------------------------
+
+    async def on_rollouts(self, records: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, records)
+
+    async def control(self) -> str:
+        action = await asyncio.to_thread(self.heartbeat.beat)
+        if action != "continue" or (self.outer is not None and self.outer.action != "continue"):
+            return "cancel"
+        return "continue"
+
+
+def claim_with_patience(client: ControlPlaneClient, diagnostic_id: str, worker_id: str, *,
+                        wait_s: float) -> Claim:
+    """Claim a job's diagnostic; while the previous worker's lease is still live (it died moments
+    ago), wait for it to expire rather than give up."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.claim_diagnostic(diagnostic_id, worker_id)
+        except LeaseHeld:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
