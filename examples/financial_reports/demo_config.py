@@ -1,7 +1,7 @@
 """Every value the `agent-rft demo` run uses, in one place: model, task, system prompt, grader,
 training hyperparameters and the time budget. Change them here; app/demo.py and
-benchmarks/demo_learning only read them. `DEMO` is the real run (SmolLM2-135M-Instruct, sized for
-2 CPU cores in 15 minutes); `QUICK` is the `--quick` run the tests use (a tiny random model, two steps).
+benchmarks/demo_learning only read them. `DEMO` is the real run (SmolLM2-135M-Instruct; about 20
+minutes on 2 CPU cores, over the 15-minute target); `QUICK` is the `--quick` run the tests use (a tiny random model, two steps).
 
 Why these values: benchmarks/demo_learning/README.md (the base model's learning signal and the
 before/after numbers over 3 seeds).
@@ -65,8 +65,8 @@ class DemoConfig:
     grader: str = "multi"
 
     # --- training (method.reinforcement) ---
-    # Training steps; the training rows are sized so that the job runs this many. 16 rollouts of at
-    # most 96 tokens take about a minute per step on 2 CPU cores (benchmarks/demo_learning).
+    # Training steps; the training rows are sized so that the job runs this many. A step of 16
+    # rollouts of at most 96 tokens takes about 2-2.5 minutes on 2 CPU cores (benchmarks/demo_learning).
     steps: int = 6
     max_episode_steps: int = 1  # one search, then the answer (the budget notice repeats the question)
     hyperparameters: dict[str, Any] = field(default_factory=lambda: {
@@ -77,7 +77,7 @@ class DemoConfig:
         "learning_rate": 1e-3, "max_tokens_per_turn": 48, "max_tokens_per_rollout": 96, "temperature": 0.7})
 
     # --- the variance diagnostic before training (docs/diagnostics.md) ---
-    diagnostic_samples: int = 8  # training questions, each run diagnostic_runs times
+    diagnostic_samples: int = 6  # training questions, each run diagnostic_runs times
     diagnostic_runs: int = 2
 
     # --- evaluation before and after (same engine as training) ---
@@ -85,9 +85,10 @@ class DemoConfig:
     eval_temperature: float = 0.7
 
     # --- limits ---
-    time_budget_s: float = 15 * 60  # the whole demo; past it, everything stops and the demo fails
+    # Measured: 20.5 minutes on 2 CPU cores (training 15 of them); the target is 15 (README).
+    time_budget_s: float = 30 * 60  # the whole demo; past it, everything stops and the demo fails
     startup_timeout_s: float = 180  # per service (the tool server embeds the corpus at start)
-    job_timeout_s: float = 12 * 60  # training alone
+    job_timeout_s: float = 25 * 60  # training alone
 
 
 DEMO = DemoConfig()

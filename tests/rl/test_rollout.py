@@ -88,6 +88,18 @@ def test_tool_budget_is_enforced_and_announced(tokenizer):
     assert len(notice) == 1 and notice[0].endswith("The question: " + record.messages[0]["content"])
 
 
+def test_next_turns_after_staggered_tool_calls_share_one_batch(tokenizer):
+    # Tool results come back 10-160 ms apart; the batcher waits for every live rollout (at most
+    # batch_wait_s) instead of starting a batch per returning rollout.
+    delays = (10, 60, 110, 160)
+    scripts = {f"w{ms}": [call("search", query=f"wait {ms}"), "Done."] for ms in delays}
+    with tool_server() as (url, recorder):
+        records, engine = run(tokenizer, scripts, [spec(i, f"w{ms}") for i, ms in enumerate(delays)], url,
+                              config=EngineConfig(batch_wait_s=5.0))
+    assert [r.finish_reason for r in records] == ["answered"] * 4 and len(recorder.calls) == 4
+    assert engine.batch_sizes == [4, 4]
+
+
 def test_budget_notice_repeats_a_long_question_cut_short():
     from workers.rl.rollout import QUESTION_ECHO_CHARS, budget_spent_message
 

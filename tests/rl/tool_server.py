@@ -46,6 +46,9 @@ def make_app(recorder: Recorder, *, latency_s: float = 0.0) -> FastAPI:
         recorder.add(entry)
         if latency_s:
             await asyncio.sleep(latency_s)
+        query = str(args.get("query", ""))
+        if query.startswith("wait "):  # "wait 80": this call takes 80 ms more
+            await asyncio.sleep(int(query.split()[1]) / 1000)
         entry["done"] = time.monotonic()
         if body["name"] == "broken":
             return PlainTextResponse("internal error", status_code=500)

@@ -32,6 +32,9 @@ class EngineConfig:
     top_p: float = 1.0
     max_batch_size: int = 32
     max_consecutive_parse_errors: int = 3  # then the rollout ends as parse_error
+    # How long a batch waits for rollouts still busy with tool calls before it starts without them.
+    # Tool results come back staggered; without a short wait, one slow-ish batch becomes several small ones.
+    batch_wait_s: float = 0.25
 
 
 @dataclass
@@ -118,6 +121,14 @@ class _Batcher:
         self.wake = asyncio.Event()
         self.batches: list[int] = []  # sizes, for reporting
         self.generation_s = 0.0  # time spent generating, for reporting
+        self.live = 0  # rollouts not finished: each is either pending here or busy with tool calls
+
+    def started(self) -> None:
+        self.live += 1
+
+    def finished(self) -> None:
+        self.live -= 1
+        self.wake.set()  # the batch may have been waiting for this rollout
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
@@ -131,6 +142,7 @@ class _Batcher:
             self.wake.clear()
             for _ in range(3):  # let rollouts that just got their tool results join this batch
                 await asyncio.sleep(0)
+            await self._gather()
             batch, self.pending = self.pending[: self.config.max_batch_size], self.pending[self.config.max_batch_size:]
             if not batch:
                 continue
@@ -151,6 +163,19 @@ class _Batcher:
                 self.generation_s += time.perf_counter() - started
             if self.pending:
                 self.wake.set()
+
+    async def _gather(self) -> None:
+        """Wait (at most batch_wait_s) until every live rollout is waiting for the model, or a full batch is."""
+        deadline = time.perf_counter() + self.config.batch_wait_s
+        while len(self.pending) < min(self.live, self.config.max_batch_size):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=remaining)
+            except TimeoutError:
+                return
 
 
 class RolloutEngine:
@@ -179,9 +204,11 @@ class RolloutEngine:
         record = RolloutRecord(trace_id=f"trace_{uuid.uuid4().hex}", sample_index=spec.sample_index,
                                messages=list(spec.messages))
         state = _Episode(self, spec, record, batcher)
+        batcher.started()
         try:
             await state.play()
         finally:
+            batcher.finished()
             record.wall_time_s = time.perf_counter() - started
         return record
 
