@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -211,3 +214,27 @@ def live_server(settings: Settings) -> Iterator[str]:
     """The real app under uvicorn on 127.0.0.1, in a thread."""
     with serve_app(create_app(settings)) as port:
         yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: str) -> Iterator[tuple[Any, Path]]:
+    """A real `agent-rft worker` on Redis for `queues`, talking to the API at `api_url`; yields
+    (process, log path) once it is ready and kills its process group afterwards."""
+    env = {**os.environ, "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": token,
+           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
+           "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
+           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "agent-rft"), "worker", "--queues", queues,
+                                 "--loglevel", "info"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "ready" in log.read_text() or proc.poll() is not None, timeout=120, interval=0.2)
+        assert proc.poll() is None, log.read_text()
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

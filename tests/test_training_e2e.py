@@ -6,11 +6,8 @@ from __future__ import annotations
 import io
 import os
 import signal
-import subprocess
 import sys
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -18,7 +15,7 @@ import pytest
 import psycopg
 
 from app.core.config import Settings
-from tests.conftest import REDIS_URL, jsonl, live_server, wait_for
+from tests.conftest import agent_rft_worker, jsonl, live_server, wait_for
 from tests.rl.tool_server import tool_server
 
 AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
@@ -41,25 +38,8 @@ def training_settings(settings: Settings, tmp_path: Path) -> Settings:
     return settings
 
 
-@contextmanager
 def celery_worker(settings: Settings, api_url: str):  # noqa: ANN201
-    env = {**os.environ, "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": "e2e-worker-token",
-           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
-           "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
-           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
-    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        proc = subprocess.Popen([AGENT_RFT, "worker", "--queues", settings.training_queue, "--loglevel", "info"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for(lambda: "ready" in log.read_text() or proc.poll() is not None, timeout=120, interval=0.2)
-        assert proc.poll() is None, log.read_text()
-        yield proc, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    return agent_rft_worker(settings, api_url, token="e2e-worker-token", queues=settings.training_queue)
 
 
 def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: dict | None = None, **hyper) -> str:  # noqa: ANN003

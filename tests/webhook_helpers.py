@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
-import signal
-import subprocess
 import sys
 import threading
 import uuid
@@ -25,7 +22,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from app.core.config import Settings
-from tests.conftest import REDIS_URL, jsonl, question_rows, serve_app, wait_for
+from tests.conftest import agent_rft_worker, jsonl, question_rows, serve_app, wait_for
 
 SDK = openai.OpenAI(api_key="not-used", base_url="http://127.0.0.1:9/v1", max_retries=0)
 
@@ -110,25 +107,8 @@ def webhook_settings(settings: Settings, tmp_path: Path) -> Settings:
     return settings
 
 
-@contextmanager
 def celery_worker(settings: Settings, api_url: str, queues: str):  # noqa: ANN201
-    env = {**os.environ, "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": WORKER_TOKEN,
-           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1",
-           "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
-           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds)}
-    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        proc = subprocess.Popen([AGENT_RFT, "worker", "--queues", queues, "--loglevel", "info"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for(lambda: "ready" in log.read_text() or proc.poll() is not None, timeout=120, interval=0.2)
-        assert proc.poll() is None, log.read_text()
-        yield proc, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    return agent_rft_worker(settings, api_url, token=WORKER_TOKEN, queues=queues)
 
 
 def queued_job(sdk: openai.OpenAI, rows: list[dict] | None = None) -> str:
