@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -135,6 +136,19 @@ def worker(
                             if concurrency == 1 else "prefork"])
 
 
+class Precision(str, enum.Enum):
+    """x_open_model.dtype, for the commands that load a model here."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+DType = Annotated[Precision, typer.Option(
+    "--dtype", help="Weights' precision: auto (bfloat16 on a GPU, float32 on a CPU), float32, or bfloat16 "
+                    "(about 1.5x faster on CPUs with native bf16, as x_open_model.dtype).")]
+
+
 @cli.command()
 def rollout(
     model: Annotated[str, typer.Option(help="Model name (SmolLM2-135M-Instruct, tiny-smollm2), directory or HF id.")],
@@ -149,6 +163,7 @@ def rollout(
     max_tokens_per_rollout: Annotated[int, typer.Option(min=1)] = 2048,
     seed: Annotated[int, typer.Option(help="Base seed of the rollouts.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write records and summary here.")] = None,
+    dtype: DType = Precision.auto,
 ) -> None:
     """Run rollouts of MODEL against real tools and print transcripts and a summary table."""
     from workers.rl.models import ModelError
@@ -159,7 +174,8 @@ def rollout(
                           max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature, top_p=top_p)
     try:
         rollout_command(model=model, data=data, tools_path=tools, n=n, limit=limit, config=config,
-                        allowlist=get_settings().outbound_allowlist, seed=seed, json_out=json_out, echo=typer.echo)
+                        allowlist=get_settings().outbound_allowlist, seed=seed, json_out=json_out, echo=typer.echo,
+                        dtype=dtype.value)
     except (RolloutInputError, ModelError, OSError) as exc:
         _fail(str(exc))
 
@@ -312,6 +328,7 @@ def eval_command(
     max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 256,
     max_tokens_per_rollout: Annotated[int, typer.Option(min=1)] = 2048,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report and rollouts here.")] = None,
+    dtype: DType = Precision.auto,
 ) -> None:
     """Evaluate MODEL (before or after training): graded rollouts with the training engine."""
     from app.cli_client import evaluate
@@ -320,7 +337,8 @@ def eval_command(
     config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
                           max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature)
     _client_call(lambda: evaluate(model=model, data=data, tools_path=tools, grader_path=grader, n=n, limit=limit,
-                                  config=config, settings=get_settings(), json_out=json_out, echo=typer.echo))
+                                  config=config, settings=get_settings(), json_out=json_out, echo=typer.echo,
+                                  dtype=dtype.value))
 
 
 @cli.command()

@@ -285,7 +285,7 @@ def read_grader(path: Path) -> Any:
 
 
 def evaluate(*, model: str, data: Path, tools_path: Path, grader_path: Path, n: int, limit: int | None,
-             config: Any, settings: Any, json_out: Path | None, echo: Echo) -> dict[str, Any]:
+             config: Any, settings: Any, json_out: Path | None, echo: Echo, dtype: str | None = None) -> dict[str, Any]:
     """Rollouts of `model` with the training engine, each graded: accuracy and tool use."""
     import asyncio
 
@@ -303,7 +303,7 @@ def evaluate(*, model: str, data: Path, tools_path: Path, grader_path: Path, n: 
         specs = read_specs(data, tools, n=n, limit=limit, seed=0)
         if not specs:
             raise CliError(f"{data}: no rows")
-        records = asyncio.run(run_rollouts(model, specs, tools, config, list(settings.outbound_allowlist)))
+        records = asyncio.run(run_rollouts(model, specs, tools, config, list(settings.outbound_allowlist), dtype))
     except (RolloutInputError, ModelError, OSError) as exc:
         raise CliError(str(exc)) from exc
     graded = asyncio.run(_grade(grader, records, specs, settings))

@@ -158,6 +158,7 @@ class Demo:
     workdir: Path
     children: Children
     ports: dict[str, int]
+    dtype: str = "float32"  # demo_config.dtype(config): the job's x_open_model.dtype and eval's --dtype
     started: float = field(default_factory=time.monotonic)
     stage: str = "setup"
     timings: dict[str, float] = field(default_factory=dict)
@@ -310,7 +311,8 @@ def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict
                     "--grader", str(paths["grader"]), "--n", str(cfg.eval_rollouts_per_row),
                     "--temperature", str(cfg.eval_temperature), "--max-episode-steps", str(cfg.max_episode_steps),
                     "--max-tokens-per-turn", str(x.get("max_tokens_per_turn", 256)),
-                    "--max-tokens-per-rollout", str(x.get("max_tokens_per_rollout", 2048)), "--json", str(out))
+                    "--max-tokens-per-rollout", str(x.get("max_tokens_per_rollout", 2048)), "--dtype", demo.dtype,
+                    "--json", str(out))
     child = demo.children.start(f"eval-{label}", argv)
     deadline = time.monotonic() + cfg.job_timeout_s
     while child.proc.poll() is None:
@@ -337,7 +339,7 @@ def job_method(demo: Demo) -> dict[str, Any]:
     return {"type": "reinforcement", "reinforcement": {
         "grader": grader(cfg, demo.url("grader")), "tools": job_tools(demo.url("tools")),
         "max_episode_steps": cfg.max_episode_steps, "hyperparameters": hyperparameters,
-        "x_open_model": cfg.x_open_model}}
+        "x_open_model": {**cfg.x_open_model, "dtype": demo.dtype}}}
 
 
 def diagnose(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> dict[str, Any]:
@@ -531,9 +533,10 @@ def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool 
         print(f"demo failed at setup: {exc}", file=sys.stderr)
         return EXIT_FAILED
     ports = {name: free_port() for name in ("api", "tools", "grader")}
-    demo = Demo(config, workdir, Children(workdir, child_env(workdir, f"http://127.0.0.1:{ports['api']}")), ports)
-    print(f"agent-rft demo: {config.model}, {config.steps} training steps, budget {config.time_budget_s / 60:.0f} min, "
-          f"everything in {workdir}")
+    demo = Demo(config, workdir, Children(workdir, child_env(workdir, f"http://127.0.0.1:{ports['api']}")), ports,
+                demo_config.dtype(config))
+    print(f"agent-rft demo: {config.model} in {demo.dtype}, {config.steps} training steps, budget "
+          f"{config.time_budget_s / 60:.0f} min, everything in {workdir}")
     previous = install_signal_handlers(config.time_budget_s)
     code, outcome = EXIT_FAILED, "failed"
     try:
@@ -563,7 +566,7 @@ def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool 
 
 def write_report(demo: Demo, outcome: str, wall: float) -> None:
     report = {"outcome": outcome, "failed_stage": None if outcome == "succeeded" else demo.stage,
-              "wall_time_s": round(wall, 1), "stage_seconds": demo.timings, "config": asdict(demo.config),
+              "wall_time_s": round(wall, 1), "stage_seconds": demo.timings, "config": asdict(demo.config), "dtype": demo.dtype,
               "api_url": demo.url("api"), "docs_url": f"{demo.url('api')}/docs",
               "dashboard_url": f"{demo.url('api')}/dashboard", **demo.report}
     with contextlib.suppress(OSError):

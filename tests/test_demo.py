@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.conftest import wait_for
+from workers.rl.models import native_bf16_cpu
 
 AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
 DEMO = [AGENT_RFT, "demo", "--quick"]
@@ -74,6 +76,12 @@ def test_quick_demo_evaluates_trains_and_compares(tmp_path):
     assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
     assert report["wall_time_s"] < 300
     assert leftover_processes(workdir) == []
+    # Precision: bfloat16 where this CPU computes it natively, for the job and both evaluations.
+    assert report["dtype"] == ("bfloat16" if native_bf16_cpu() else "float32")
+    assert f"in {report['dtype']}" in result.stdout.splitlines()[0]
+    with sqlite3.connect(workdir / "agent_rft.sqlite3") as db:
+        (method,) = db.execute("SELECT method FROM jobs WHERE id = ?", (report["job"]["id"],)).fetchone()
+    assert json.loads(method)["reinforcement"]["x_open_model"]["dtype"] == report["dtype"]
 
 
 def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):

@@ -30,7 +30,7 @@ def test_create_returns_an_openai_job_and_queues_it(api):
     assert rl["x_open_model"] == {"training_mode": "lora", "lora_rank": 16, "lora_alpha": 32, "loss": "grpo",
                                   "kl_coef": 0.0, "clip_epsilon": 0.2, "learning_rate": None, "max_tokens_per_turn": 256,
                                   "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0,
-                                  "diagnostic": None}
+                                  "dtype": "auto", "diagnostic": None}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
 
 
@@ -52,12 +52,13 @@ def test_explicit_hyperparameters_and_extension(api):
     file_id = api.upload_ok(question_rows())
     hp = {"batch_size": 8, "n_epochs": 2, "learning_rate_multiplier": 0.5, "compute_multiplier": 2,
           "eval_interval": 5, "eval_samples": 4, "reasoning_effort": "low"}
-    ext = {"training_mode": "full", "loss": "dr_grpo", "kl_coef": 0.05, "temperature": 0.7}
+    ext = {"training_mode": "full", "loss": "dr_grpo", "kl_coef": 0.05, "temperature": 0.7, "dtype": "bfloat16"}
     job = create(api, job_body(file_id, reinforcement={"hyperparameters": hp, "x_open_model": ext,
                                                        "max_episode_steps": 4})).json()
     rl = job["method"]["reinforcement"]
     assert rl["hyperparameters"] == {**hp, "compute_multiplier": 2.0, "learning_rate_multiplier": 0.5}
     assert rl["x_open_model"]["training_mode"] == "full" and rl["x_open_model"]["loss"] == "dr_grpo"
+    assert rl["x_open_model"]["dtype"] == "bfloat16"
     assert rl["max_episode_steps"] == 4
     assert job["hyperparameters"] == {"batch_size": 8, "learning_rate_multiplier": 0.5, "n_epochs": 2}
 
@@ -80,6 +81,7 @@ BAD_BODIES = [
     (lambda b: b["method"]["reinforcement"]["x_open_model"].update(loss="ppo"), "method.reinforcement.x_open_model.loss"),
     (lambda b: b["method"]["reinforcement"]["x_open_model"].update(temperature=3), "method.reinforcement.x_open_model.temperature"),
     (lambda b: b["method"]["reinforcement"]["x_open_model"].update(learning_rate=0), "method.reinforcement.x_open_model.learning_rate"),
+    (lambda b: b["method"]["reinforcement"]["x_open_model"].update(dtype="float16"), "method.reinforcement.x_open_model.dtype"),
     (lambda b: b["method"]["reinforcement"].pop("grader"), "method.reinforcement.grader"),
     (lambda b: b["method"]["reinforcement"]["grader"].update(type="magic"), "method.reinforcement.grader"),
     (lambda b: b["method"]["reinforcement"]["grader"].update(operation="contains"), "method.reinforcement.grader.operation"),

@@ -76,7 +76,8 @@ class DiagnosticRun:
         await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, [], samples_total=len(chosen),
                                 load_basis=basis)
         if loaded is None:
-            loaded = await asyncio.to_thread(load_model, spec["model"])
+            loaded = await asyncio.to_thread(load_model, spec["model"],
+                                             dtype=(reinforcement.get("x_open_model") or {}).get("dtype"))
         grader = TypeAdapter(Grader).validate_python(reinforcement["grader"])
         async with ToolClient(tools, allowlist=self.settings.outbound_allowlist, options=options) as tool_client:
             engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,

@@ -113,8 +113,9 @@ class JobRun:
         train_rows, valid_rows = self._rows(self.job["training_file"]), self._rows(self.job.get("validation_file"))
         hooks = ControlHooks(self, None)
         loaded = None
+        dtype = (reinforcement.get("x_open_model") or {}).get("dtype")
         if (reinforcement.get("x_open_model") or {}).get("diagnostic"):
-            loaded = load_model(self.job["model"])  # loaded once: the diagnostic, then training
+            loaded = load_model(self.job["model"], dtype=dtype)  # loaded once: the diagnostic, then training
             diagnosed = await JobDiagnostic(self, hooks).run(loaded, train_rows)
             if isinstance(diagnosed, TrainingOutcome):
                 return diagnosed
@@ -124,7 +125,7 @@ class JobRun:
         hooks.resolved = resolved
         await hooks.on_event("info", f"Training {self.job['model']} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
-        loaded = loaded or load_model(self.job["model"])
+        loaded = loaded or load_model(self.job["model"], dtype=dtype)
         resume = self.job.get("resume_state")
         async with ToolClient(reinforcement.get("tools", []), allowlist=self.settings.outbound_allowlist) as tools:
             trainer = Trainer(

@@ -42,12 +42,13 @@ RESULTS = REPO / "benchmarks" / "results" / "demo_learning.json"
 def demo_settings() -> dict[str, Any]:
     """The demo's own settings (examples/financial_reports/demo_config.py), in the shape this
     benchmark uses: what the README quotes is what `make demo` runs."""
-    from examples.financial_reports.demo_config import DEMO, grader_spec
+    from examples.financial_reports.demo_config import DEMO, dtype, grader_spec
     from workers.rl.trainer import group_size_for
 
     x = DEMO.x_open_model
     return {
         "model": DEMO.model,
+        "dtype": dtype(DEMO),
         "task": {"corpus_seed": DEMO.seed, "companies": DEMO.companies, "years": list(DEMO.years),
                  "held_out_companies": DEMO.held_out_companies},
         "system_prompt": DEMO.system_prompt,
@@ -200,7 +201,7 @@ async def train_one_seed(settings: dict[str, Any], port: int, train_rows: list[d
     from workers.rl.tools_client import ToolClient
     from workers.rl.trainer import Trainer
 
-    loaded = load_model(settings["model"])
+    loaded = load_model(settings["model"], dtype=settings["dtype"])
     k = settings["eval"]["rollouts_per_question"]
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
         before = await rollouts(loaded, client, settings, held_out, k, seed=1000 + seed)
@@ -255,7 +256,7 @@ async def measure_signal(settings: dict[str, Any], port: int, rows: list[dict], 
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
 
-    loaded = load_model(settings["model"])
+    loaded = load_model(settings["model"], dtype=settings["dtype"])
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
         started = time.perf_counter()
         results = await rollouts(loaded, client, settings, rows, k, seed=0)

@@ -76,6 +76,11 @@ class DemoConfig:
         "training_mode": "lora", "lora_rank": 16, "lora_alpha": 32, "loss": "grpo", "kl_coef": 0.0,
         "learning_rate": 1e-3, "max_tokens_per_turn": 48, "max_tokens_per_rollout": 96, "temperature": 0.7})
 
+    # --- precision: bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX; about 1.5x
+    # faster for sampling and training), float32 elsewhere. `dtype()` resolves it; the job's
+    # x_open_model.dtype and `agent-rft eval --dtype` get the resolved value.
+    bf16_where_native: bool = True
+
     # --- the variance diagnostic before training (docs/diagnostics.md) ---
     diagnostic_samples: int = 6  # training questions, each run diagnostic_runs times
     diagnostic_runs: int = 2
@@ -89,6 +94,18 @@ class DemoConfig:
     time_budget_s: float = 30 * 60  # the whole demo; past it, everything stops and the demo fails
     startup_timeout_s: float = 180  # per service (the tool server embeds the corpus at start)
     job_timeout_s: float = 25 * 60  # training alone
+
+
+def dtype(cfg: DemoConfig) -> str:
+    """The precision the demo runs in here: bfloat16 on a GPU or on a CPU with native bf16
+    (when `bf16_where_native`), else float32."""
+    if not cfg.bf16_where_native:
+        return "float32"
+    import torch
+
+    from workers.rl.models import native_bf16_cpu
+
+    return "bfloat16" if torch.cuda.is_available() or native_bf16_cpu() else "float32"
 
 
 DEMO = DemoConfig()

@@ -45,7 +45,7 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
         "description": "Semantic search over the financial reports. Returns matching document paths with a snippet.",
         "parameters": {"type": "object", "properties": {
             "query": {"type": "string", "description": "what to look for, e.g. a company name and a line item"},
-            "k": {"type": "integer", "minimum": 1, "maximum": 10, "default": 5,
+            "k": {"type": "integer", "minimum": 1, "maximum": 10, "default": 3,
                   "description": "how many documents to return"}},
             "required": ["query"], "additionalProperties": False}}},
     {"type": "function", "function": {
@@ -78,7 +78,7 @@ class _Strict(BaseModel):
 
 class SearchArgs(_Strict):
     query: str = Field(min_length=1, max_length=2000)
-    k: int = Field(5, ge=1, le=10)
+    k: int = Field(3, ge=1, le=10)
 
 
 class ListArgs(_Strict):

@@ -315,8 +315,8 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     assert set(metrics["timing"]["step"]) >= {"sampling", "training", "eval", "full_iteration"}
     assert metrics["tools"]["rollouts"] == 8 and "finish_reasons" in metrics["tools"]
     train_block = metrics["train"]
-    assert set(train_block) == {"loss", "kl", "grad_norm", "learning_rate", "frac_reward_zero_std", "rollouts_used",
-                                "rollouts_excluded"}
+    assert set(train_block) == {"loss", "kl", "grad_norm", "logprob_mismatch", "clip_fraction", "learning_rate",
+                                "frac_reward_zero_std", "rollouts_used", "rollouts_excluded"}
     assert train_block["learning_rate"] == cfg.learning_rate and train_block["rollouts_excluded"] == 0
     for step_metrics, step_records in zip(hooks.metrics, hooks.train_records):  # groups = consecutive records
         groups = [[r["reward"] for r in step_records[i:i + 4]] for i in range(0, 8, 4)]
@@ -326,6 +326,8 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     updated = [m["train"] for m in hooks.metrics if m["train"]["rollouts_used"]]
     assert updated, "no step had a group with a reward spread"
     assert all(t["kl"] is not None and t["kl"] >= 0.0 and t["grad_norm"] > 0 for t in updated)
+    # float32: the trainer recomputes exactly what the sampler computed, so nothing is clipped
+    assert all(t["logprob_mismatch"] < 2e-3 and t["clip_fraction"] == 0.0 for t in updated)
     records = hooks.train_records[0]
     assert len(records) == 8 and all("token_ids" not in r for r in records)
     for record in records:
@@ -365,6 +367,36 @@ def test_checkpoints_load_with_transformers_and_peft_and_match_the_trained_model
             logits = reloaded(input_ids=probe).logits
         assert not torch.allclose(trained, untouched)  # training changed the model...
         assert torch.allclose(logits, trained, atol=1e-5)  # ...and the checkpoint is that model
+
+
+def test_bfloat16_lora_keeps_float32_adapters_and_measures_the_sampler_trainer_mismatch(tmp_path, tools_url):
+    """x_open_model.dtype=bfloat16: bf16 base weights, float32 adapters and optimizer; the step
+    reports how far the trainer's log-probs are from the sampler's (larger than in float32, far
+    below the clip); the checkpoint replayed through `agent-rft eval`'s loader is the trained policy."""
+    from workers.rl.rollout_command import load_policy
+
+    probe = torch.tensor([[1, 42, 7, 99, 512, 3]])
+    mismatch = {}
+    for dtype in ("float32", "bfloat16"):
+        hooks = RecordingHooks()
+        outcome, trainer = train(tmp_path / dtype, tools_url, config(batch_size=2, group_size=8), rows(2, "x"), hooks,
+                                 loaded=load_model("tiny-smollm2", dtype=dtype))
+        step = hooks.metrics[0]["train"]
+        assert outcome.status == "succeeded" and step["rollouts_used"] > 0
+        mismatch[dtype] = step["logprob_mismatch"]
+        assert 0 <= step["clip_fraction"] <= 1
+        if dtype == "bfloat16":
+            assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
+            assert {p.dtype for p in trainer.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+            policy = load_policy(str(outcome.final_checkpoint), dtype="bfloat16")
+            base = load_model("tiny-smollm2", dtype="bfloat16").model
+            with torch.no_grad():
+                trained, replayed, untouched = (m(input_ids=probe).logits.float()
+                                                for m in (trainer.model, policy.model, base))
+            assert not torch.allclose(trained, untouched)  # training changed the policy...
+            assert torch.allclose(replayed, trained, atol=1e-3)  # ...and eval loads exactly that policy
+    assert mismatch["float32"] < 2e-3
+    assert mismatch["float32"] < mismatch["bfloat16"] < 0.1
 
 
 # --- pause, resume, cancel --------------------------------------------------------------------------

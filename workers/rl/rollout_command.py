@@ -70,43 +70,45 @@ def format_transcript(index: int, record: RolloutRecord, *, width: int = 600) ->
     return "\n".join(lines)
 
 
-def load_policy(model: str) -> LoadedModel:
+def load_policy(model: str, dtype: str | None = None) -> LoadedModel:
     """`model` as load_model names it, or a LoRA adapter directory (adapter_config.json, as a
-    trained checkpoint is saved): its base model is loaded and the adapter merged into it."""
+    trained checkpoint is saved): its base model is loaded and the adapter applied. In float32
+    the adapter is merged (generation at the base model's speed); in a 16-bit dtype it stays a
+    separate float32 branch, because merging would round its small update away."""
     adapter_config = Path(model).expanduser() / "adapter_config.json"
     if not adapter_config.is_file():
-        return load_model(model)
+        return load_model(model, dtype=dtype)
+    import torch
     from peft import PeftModel
 
     try:
         base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RolloutInputError(f"{adapter_config}: cannot read base_model_name_or_path: {exc}") from exc
-    loaded = load_model(base)
+    loaded = load_model(base, dtype=dtype)
     try:
         adapted = PeftModel.from_pretrained(loaded.model, str(adapter_config.parent))
     except (OSError, ValueError) as exc:
         raise RolloutInputError(f"{adapter_config.parent}: cannot load the LoRA adapter: {exc}") from exc
-    # Merged, generation runs at the base model's speed and needs no PEFT code path.
-    loaded.model = adapted.merge_and_unload().eval()
+    loaded.model = (adapted.merge_and_unload() if loaded.dtype == torch.float32 else adapted).eval()
     return loaded
 
 
 async def run_rollouts(model: str | LoadedModel, specs: list[RolloutSpec], tools: list[dict[str, Any]],
-                       config: EngineConfig, allowlist: list[str]) -> list[RolloutRecord]:
-    loaded = load_policy(model) if isinstance(model, str) else model
+                       config: EngineConfig, allowlist: list[str], dtype: str | None = None) -> list[RolloutRecord]:
+    loaded = load_policy(model, dtype) if isinstance(model, str) else model
     async with ToolClient(tools, allowlist=allowlist) as client:
         engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client, config)
         return await engine.run(specs)
 
 
 def rollout_command(*, model: str, data: Path, tools_path: Path, n: int, limit: int | None, config: EngineConfig,
-                    allowlist: list[str], seed: int, json_out: Path | None, echo: Any) -> int:
+                    allowlist: list[str], seed: int, json_out: Path | None, echo: Any, dtype: str | None = None) -> int:
     tools = read_tools(tools_path)
     specs = read_specs(data, tools, n=n, limit=limit, seed=seed)
     if not specs:
         raise RolloutInputError(f"{data}: no rows")
-    records = asyncio.run(run_rollouts(model, specs, tools, config, allowlist))
+    records = asyncio.run(run_rollouts(model, specs, tools, config, allowlist, dtype))
     for index, record in enumerate(records):
         echo(format_transcript(index, record) + "\n")
     summary = summarize(records)

@@ -47,7 +47,7 @@ from workers.rl.advantages import (
     k3_kl,
     sequence_normaliser,
 )
-from workers.rl.models import LoadedModel, save_model_dir, training_mode
+from workers.rl.models import LoadedModel, release_freed_memory, save_model_dir, training_mode
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutRecord, RolloutSpec
 from workers.rl.summary import summarize
@@ -355,6 +355,10 @@ class UpdateStats:
     kl: float | None = None
     grad_norm: float = 0.0
     sampled_tokens: int = 0
+    # Sampler vs trainer: mean |log p_train - log p_sampled| over the sampled tokens (numerical
+    # mismatch, larger in bfloat16), and the share of those tokens whose ratio the clip bounds.
+    logprob_mismatch: float | None = None
+    clip_fraction: float | None = None
 
 
 def micro_batches(sequences: list[TrainSequence], max_tokens: int) -> list[list[TrainSequence]]:
@@ -593,12 +597,14 @@ class Trainer:
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
+        release_freed_memory()
         sampled_at = time.perf_counter()
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         graded_at = time.perf_counter()
         self._check_failure_rates(step, graded)
         sequences, zero_spread_groups = self._assign_advantages(graded)
         stats = await asyncio.to_thread(self._update, sequences)
+        release_freed_memory()
         trained_at = time.perf_counter()
         is_eval = step % c.eval_interval == 0 or step == self.total_steps
         valid = await self._evaluate() if is_eval else None
@@ -675,7 +681,8 @@ class Trainer:
             return UpdateStats()
         self.optimizer.zero_grad(set_to_none=True)
         device = next(self.model.parameters()).device
-        loss_total, kl_sum, kl_tokens, sampled = 0.0, 0.0, 0, 0
+        loss_total, kl_sum, kl_tokens, sampled, mismatch, clipped = 0.0, 0.0, 0, 0, 0.0, 0
+        epsilon = self.loss_settings.clip_epsilon
         for group in micro_batches(sequences, self.config.micro_batch_tokens):
             batch = collate(group, self.pad_token_id, device)
             reference = self._reference_logprobs(batch)
@@ -684,13 +691,17 @@ class Trainer:
             loss.backward()
             loss_total += loss.item()
             sampled += int(batch.loss_mask.sum())
+            delta = (new.detach() - batch.sampling_logprobs)[batch.loss_mask]
+            mismatch += float(delta.abs().sum())
+            clipped += int(((delta.exp() < 1 - epsilon) | (delta.exp() > 1 + epsilon)).sum())
             if kl is not None:
                 kl_sum += float(kl.detach()[batch.loss_mask].sum())
                 kl_tokens += int(batch.loss_mask.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(loss_total, kl_sum / kl_tokens if kl_tokens else None, float(grad_norm), sampled)
+        return UpdateStats(loss_total, kl_sum / kl_tokens if kl_tokens else None, float(grad_norm), sampled,
+                           mismatch / sampled if sampled else None, clipped / sampled if sampled else None)
 
     def _reference_logprobs(self, batch: Collated) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
@@ -708,6 +719,7 @@ class Trainer:
         specs = [spec_for(prompt, rollout_seed(self.config.seed, "eval", i))
                  for i, prompt in enumerate(self.eval_prompts)]
         records = await self.engine.run(specs)
+        release_freed_memory()
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         rewards = [g.reward for g in graded if g.reward is not None]
         return {"reward_mean": mean_or_none(rewards), "sub_rewards": sub_reward_means(graded),
@@ -737,6 +749,7 @@ class Trainer:
             "timing": {"step": timing},
             "tools": summarize(records),
             "train": {"loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm,
+                      "logprob_mismatch": stats.logprob_mismatch, "clip_fraction": stats.clip_fraction,
                       "learning_rate": self.optimizer.param_groups[0]["lr"],
                       "frac_reward_zero_std": zero_spread_groups / n_groups,
                       "rollouts_used": n_used,
