@@ -1,7 +1,7 @@
 """Every value the `agent-rft demo` run uses, in one place: model, task, system prompt, grader,
 training hyperparameters and the time budget. Change them here; app/demo.py and
-benchmarks/demo_learning only read them. `DEMO` is the real run (SmolLM2-135M-Instruct; about 20
-minutes on 2 CPU cores, over the 15-minute target); `QUICK` is the `--quick` run the tests use (a tiny random model, two steps).
+benchmarks/demo_learning only read them. `DEMO` is the real run (SmolLM2-135M-Instruct; 5.6
+minutes on 2 CPU cores with native bf16, 6.8 with the install on a fresh clone; the target is 15); `QUICK` is the `--quick` run the tests use (a tiny random model, two steps).
 
 Why these values: benchmarks/demo_learning/README.md (the base model's learning signal and the
 before/after numbers over 3 seeds).
@@ -66,7 +66,7 @@ class DemoConfig:
 
     # --- training (method.reinforcement) ---
     # Training steps; the training rows are sized so that the job runs this many. A step of 16
-    # rollouts of at most 96 tokens takes about 2-2.5 minutes on 2 CPU cores (benchmarks/demo_learning).
+    # rollouts of at most 96 tokens takes 20-47 s on 2 CPU cores in bfloat16 (benchmarks/demo_learning).
     steps: int = 6
     max_episode_steps: int = 1  # one search, then the answer (the budget notice repeats the question)
     hyperparameters: dict[str, Any] = field(default_factory=lambda: {
@@ -90,7 +90,8 @@ class DemoConfig:
     eval_temperature: float = 0.7
 
     # --- limits ---
-    # Measured: 20.5 minutes on 2 CPU cores (training 15 of them); the target is 15 (README).
+    # Measured: 336 s on 2 CPU cores in bfloat16 (training 219 s of it); the target is 15 minutes
+    # (README). These limits only stop a run that hangs, or a much slower machine.
     time_budget_s: float = 30 * 60  # the whole demo; past it, everything stops and the demo fails
     startup_timeout_s: float = 180  # per service (the tool server embeds the corpus at start)
     job_timeout_s: float = 25 * 60  # training alone
