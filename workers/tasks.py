@@ -113,8 +113,9 @@ class JobRun:
         train_rows, valid_rows = self._rows(self.job["training_file"]), self._rows(self.job.get("validation_file"))
         hooks = ControlHooks(self, None)
         loaded = None
-        dtype = (reinforcement.get("x_open_model") or {}).get("dtype")
-        if (reinforcement.get("x_open_model") or {}).get("diagnostic"):
+        x_open_model = reinforcement.get("x_open_model") or {}
+        dtype = x_open_model.get("dtype")
+        if x_open_model.get("diagnostic"):
             loaded = load_model(self.job["model"], dtype=dtype)  # loaded once: the diagnostic, then training
             diagnosed = await JobDiagnostic(self, hooks).run(loaded, train_rows)
             if isinstance(diagnosed, TrainingOutcome):

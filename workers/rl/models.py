@@ -314,7 +314,7 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
 def native_bf16_cpu() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX, through oneDNN). There,
     SmolLM2-135M samples and trains about 1.5x faster in bfloat16 than in float32
-    (benchmarks/demo_learning); without it, bfloat16 is emulated and slower."""
+    (benchmarks/precision); without it, bfloat16 is emulated and slower."""
     import torch
 
     try:
@@ -328,8 +328,8 @@ def release_freed_memory() -> int:
     1 if some was released, 0 if none or not on glibc. Sampling and updates allocate buffers of a
     new size at every step; glibc keeps the freed ones in its per-thread arenas, and on the CPU
     in bfloat16 (oneDNN's reorders) a training process grew by ~2.5 GB per step until the kernel
-    killed it (24 GB after 8 steps of SmolLM2). The trainer calls this after sampling and after
-    every update; it costs milliseconds."""
+    killed it (24 GB after 8 steps of SmolLM2). The rollout engine calls this at the end of every
+    run and the trainer after every update; it costs milliseconds."""
     global _LIBC
     if _LIBC is None:
         import ctypes

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workers.rl.generation import GenerationOutput, GenerationRequest, generate_batch
+from workers.rl.models import release_freed_memory
 from workers.rl.prompting import ChatFormatter, assistant_message, feedback_message, tool_result_message
 from workers.rl.toolcalls import ToolSchema
 
@@ -198,6 +199,7 @@ class RolloutEngine:
         finally:
             loop_task.cancel()
             self.batch_sizes, self.generation_s = batcher.batches, batcher.generation_s
+            release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
 
     async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
         started = time.perf_counter()

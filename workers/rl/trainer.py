@@ -597,14 +597,12 @@ class Trainer:
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
-        release_freed_memory()
         sampled_at = time.perf_counter()
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         graded_at = time.perf_counter()
         self._check_failure_rates(step, graded)
         sequences, zero_spread_groups = self._assign_advantages(graded)
         stats = await asyncio.to_thread(self._update, sequences)
-        release_freed_memory()
         trained_at = time.perf_counter()
         is_eval = step % c.eval_interval == 0 or step == self.total_steps
         valid = await self._evaluate() if is_eval else None
@@ -693,13 +691,14 @@ class Trainer:
             sampled += int(batch.loss_mask.sum())
             delta = (new.detach() - batch.sampling_logprobs)[batch.loss_mask]
             mismatch += float(delta.abs().sum())
-            clipped += int(((delta.exp() < 1 - epsilon) | (delta.exp() > 1 + epsilon)).sum())
+            clipped += int(((delta.exp() - 1).abs() > epsilon).sum())
             if kl is not None:
                 kl_sum += float(kl.detach()[batch.loss_mask].sum())
                 kl_tokens += int(batch.loss_mask.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        release_freed_memory()  # activations and gradients of this update's shapes
         return UpdateStats(loss_total, kl_sum / kl_tokens if kl_tokens else None, float(grad_norm), sampled,
                            mismatch / sampled if sampled else None, clipped / sampled if sampled else None)
 
@@ -719,7 +718,6 @@ class Trainer:
         specs = [spec_for(prompt, rollout_seed(self.config.seed, "eval", i))
                  for i, prompt in enumerate(self.eval_prompts)]
         records = await self.engine.run(specs)
-        release_freed_memory()
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         rewards = [g.reward for g in graded if g.reward is not None]
         return {"reward_mean": mean_or_none(rewards), "sub_rewards": sub_reward_means(graded),
