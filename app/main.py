@@ -27,6 +27,7 @@ from app.internal.router import router as internal_router
 from app.internal.watchdog import Watchdog
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
+from app.serving.router import router as serving_router
 from app.webhooks.dispatcher import WebhookSweeper
 from app.webhooks.outbox import install_dispatch
 from app.webhooks.router import internal_router as webhooks_internal_router
@@ -83,6 +84,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         webhook_sweeper.start()
         yield
         webhook_sweeper.stop()
+        if getattr(state, "inference", None) is not None:
+            await state.inference.close()
         diagnostic_watchdog.stop()
         watchdog.stop()
         state.queue.close()
@@ -112,6 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(diagnostics_internal_router)
     app.include_router(webhooks_router)
     app.include_router(webhooks_internal_router)
+    app.include_router(serving_router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

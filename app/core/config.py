@@ -109,19 +109,38 @@ class Settings(BaseSettings):
     dashboard_poll_s: float = Field(
         5.0, gt=0, le=60, description="How often an open dashboard page asks for new data while its job or diagnostic is active."
     )
+    inference_url: str = Field(
+        "http://127.0.0.1:8001",
+        description="URL of the inference server (`agent-rft inference`) as the API reaches it; `/v1/chat/completions` is forwarded there.",
+    )
+    inference_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["SmolLM2-135M-Instruct"],
+        description="Comma-separated base models this deployment serves (listed by `/v1/models`); fine-tuned models and checkpoints of these bases are served too.",
+    )
+    inference_pool_size: int = Field(
+        4, ge=1, description="How many fine-tuned models (LoRA adapters or full checkpoints) the inference server keeps loaded; the least recently used is evicted, and loaded again on demand.",
+    )
+    inference_max_batch_size: int = Field(16, ge=1, le=256, description="Most sequences the inference server generates in one batch.")
+    inference_batch_window_s: float = Field(
+        0.01, ge=0, le=1, description="How long the inference server waits for more requests of the same model before it starts a batch.",
+    )
+    inference_default_max_tokens: int = Field(
+        512, ge=1, description="Tokens generated per choice when a request sets neither `max_tokens` nor `max_completion_tokens`.",
+    )
+    inference_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Precision of the served weights (as `x_open_model.dtype`); `auto`: bfloat16 on a GPU, float32 on a CPU.",
+    )
+    inference_timeout_s: float = Field(
+        300.0, gt=0, description="Longest the API waits for the inference server: to connect (5 s at most), and between two bytes of an answer; then it answers 503.",
+    )
+    inference_host: str = Field("127.0.0.1", description="Default bind address of `agent-rft inference`.")
+    inference_port: int = Field(8001, description="Default port of `agent-rft inference`.")
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
 
-    @field_validator("outbound_allowlist", mode="before")
+    @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", mode="before")
     @classmethod
-    def _split_allowlist(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("webhook_retry_schedule_s", mode="before")
-    @classmethod
-    def _split_schedule(cls, value: object) -> object:
+    def _split_comma_list(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value

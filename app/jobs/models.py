@@ -25,7 +25,9 @@ class Job(Base):
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType, nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
-    fine_tuned_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
+    # DELETE /v1/models/{fine_tuned_model}: the name is no longer listed or served (its checkpoints are).
+    model_deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     result_files: Mapped[list[str]] = mapped_column(JSONType, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -67,7 +69,7 @@ class Checkpoint(Base):
     id: Mapped[str] = mapped_column(String(64), unique=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     step_number: Mapped[int] = mapped_column(Integer)
-    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(256))
+    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(256), index=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # Directory of the checkpoint on the workers' shared storage.

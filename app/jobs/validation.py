@@ -62,7 +62,21 @@ def _check_content(i: int, message: dict[str, Any]) -> None:
     raise RowProblem("invalid_content", f"messages[{i}].content must be a string or a non-empty list of content parts")
 
 
-def _check_messages(messages: Any) -> None:
+def _check_tool_calls(i: int, calls: Any) -> None:
+    """An assistant message's OpenAI `tool_calls` (from a caller's own agent loop or a dataset's history)."""
+    if not isinstance(calls, list):
+        raise RowProblem("invalid_message", f"messages[{i}].tool_calls must be a list")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise RowProblem("invalid_message",
+                             f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        if not isinstance(function.get("arguments", "{}"), str):
+            raise RowProblem("invalid_message", f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string")
+
+
+def check_messages(messages: Any, *, last_must_be_user: bool = True) -> None:
+    """A conversation in OpenAI's chat format; raises RowProblem naming the first bad message."""
     if not isinstance(messages, list) or not messages:
         raise RowProblem("missing_messages", "'messages' must be a non-empty list")
     for i, message in enumerate(messages):
@@ -73,7 +87,9 @@ def _check_messages(messages: Any) -> None:
         _check_content(i, message)
         if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
             raise RowProblem("invalid_message", f"messages[{i}] has role 'tool' but no tool_call_id")
-    if messages[-1]["role"] != "user":
+        if message["role"] == "assistant" and message.get("tool_calls") is not None:
+            _check_tool_calls(i, message["tool_calls"])
+    if last_must_be_user and messages[-1]["role"] != "user":
         raise RowProblem("last_message_not_user", f"the last message must have role 'user', not '{messages[-1]['role']}'")
 
 
@@ -95,7 +111,8 @@ def parameters_schema_problem(parameters: Any) -> str | None:
     return f"is not a valid JSON schema: {problem}" if problem else None
 
 
-def _check_tools(tools: Any, declared: set[str]) -> None:
+def check_tools(tools: Any, declared: set[str] | None) -> None:
+    """OpenAI function-tool schemas; `declared`, when given, are the only names allowed."""
     if not isinstance(tools, list):
         raise RowProblem("invalid_tools", "'tools' must be a list")
     names: set[str] = set()
@@ -109,7 +126,7 @@ def _check_tools(tools: Any, declared: set[str]) -> None:
         if name in names:
             raise RowProblem("invalid_tools", f"tools[{i}] repeats the tool name '{name}'")
         names.add(name)
-        if name not in declared:
+        if declared is not None and name not in declared:
             known = ", ".join(sorted(declared)) or "none"
             raise RowProblem(
                 "undeclared_tool",
@@ -126,9 +143,9 @@ def check_row(row: Any, declared_tools: set[str]) -> None:
         raise RowProblem("invalid_row", "each line must be a JSON object")
     if "messages" not in row:
         raise RowProblem("missing_messages", "the row has no 'messages'")
-    _check_messages(row["messages"])
+    check_messages(row["messages"])
     if "tools" in row:
-        _check_tools(row["tools"], declared_tools)
+        check_tools(row["tools"], declared_tools)
 
 
 def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:

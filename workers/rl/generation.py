@@ -68,8 +68,10 @@ def _ends_with_stop_string(ids: list[int], stop_strings: tuple[str, ...], decode
 def generate_batch(
     model: torch.nn.Module, requests: list[GenerationRequest], *, pad_token_id: int, temperature: float = 1.0,
     top_p: float = 1.0, decode: Callable[[list[int]], str] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[GenerationOutput]:
-    """Generate for every request at once: left-padded contexts, one forward per new token."""
+    """Generate for every request at once: left-padded contexts, one forward per new token.
+    `on_token(row, token_id)` is called for each sampled token as it is drawn (streaming)."""
     device = next(model.parameters()).device
     width = max(len(r.context_ids) for r in requests)
     ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
@@ -97,6 +99,8 @@ def generate_batch(
             out.token_ids.append(token)
             out.logprobs.append(logprob)
             next_tokens[row] = token
+            if on_token is not None:
+                on_token(row, token)
             if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, decode):
                 out.finish, active[row] = "stop", False
             elif len(out.token_ids) >= request.max_new_tokens:

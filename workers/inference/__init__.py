@@ -1,0 +1,1 @@
+"""The inference server: chat completions for base models, fine-tuned models and checkpoints (torch inside)."""

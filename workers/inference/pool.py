@@ -1,0 +1,189 @@
+"""The models an inference server holds: each base model loaded once, and a bounded LRU pool of
+fine-tuned models on top (LoRA adapters on their base, or whole full-fine-tuned checkpoints).
+
+LoRA adapters of one base share one PEFT wrapper (`PeftModel`, multi-adapter): a request for an
+adapter activates it (`set_adapter`), a request for the base runs with the adapters switched off
+(`disable_adapter`). Adapters stay unmerged, as in training's sampling, so the served model
+computes what the trained policy computed. The pool holds at most `capacity` fine-tuned models;
+the least recently used is evicted (`delete_adapter`, or the full model dropped) and loaded again
+on its next request. Not thread-safe: the inference server calls it from its one generation thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.rl.models import LoadedModel, ModelError, load_model, release_freed_memory
+from workers.rl.prompting import ChatFormatter
+
+log = logging.getLogger(__name__)
+
+
+class ModelUnavailable(Exception):
+    """A request names a model that cannot be served; `status` and `code` go to the client."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class ServedModel:
+    """One servable model: the module to call (with `activate()`), its tokenizer and formatter."""
+
+    key: str
+    tokenizer: Any
+    formatter: ChatFormatter
+    max_context: int
+    _module: Any
+    _adapter: str | None = None  # the PEFT adapter name; None: the base with adapters switched off
+    _peft: Any = None
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Any]:
+        """The module to generate with, set up for this model for the duration of the block."""
+        if self._peft is None:
+            yield self._module
+        elif self._adapter is None:
+            with self._peft.disable_adapter():
+                yield self._peft
+        else:
+            self._peft.set_adapter(self._adapter)
+            yield self._peft
+
+
+@dataclass
+class _Base:
+    loaded: LoadedModel
+    formatter: ChatFormatter
+    peft: Any = None  # the PeftModel holding this base's adapters, once one is loaded
+
+
+@dataclass
+class PoolStats:
+    loads: int = 0
+    evictions: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+
+
+class ModelPool:
+    def __init__(self, *, bases: list[str], capacity: int, dtype: str | None = None,
+                 checkpoint_root: Path | None = None) -> None:
+        self.allowed_bases = {name.casefold(): name for name in bases}
+        self.capacity = capacity
+        self.dtype = dtype
+        self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
+        self._bases: dict[str, _Base] = {}
+        self._finetuned: OrderedDict[str, ServedModel] = OrderedDict()  # LRU: oldest first
+        self._adapter_names = 0
+        self.stats = PoolStats()
+
+    # -- what is loaded ---------------------------------------------------------------------------
+
+    def loaded_keys(self) -> list[str]:
+        """The fine-tuned models in the pool, least recently used first."""
+        return list(self._finetuned)
+
+    def get(self, base: str, checkpoint_path: str | None) -> ServedModel:
+        """The model for a request: the base itself, or a checkpoint of it (loaded if needed)."""
+        base_entry = self._base(base)
+        if checkpoint_path is None:
+            return self._base_served(base, base_entry)
+        directory = self._checked_directory(checkpoint_path)
+        key = str(directory)
+        served = self._finetuned.get(key)
+        if served is not None:
+            self._finetuned.move_to_end(key)
+            return served
+        started = time.perf_counter()
+        served = self._load_checkpoint(key, directory, base_entry)
+        self.stats.loads += 1
+        self.stats.load_seconds.append(time.perf_counter() - started)
+        self._finetuned[key] = served
+        while len(self._finetuned) > self.capacity:
+            self._evict(*self._finetuned.popitem(last=False))
+        return served
+
+    # -- bases ------------------------------------------------------------------------------------
+
+    def _base(self, name: str) -> _Base:
+        canonical = self.allowed_bases.get(name.casefold())
+        if canonical is None:
+            raise ModelUnavailable(404, "model_not_found", f"This inference server does not serve the base model "
+                                                           f"'{name}' (it serves {', '.join(self.allowed_bases.values())}).")
+        entry = self._bases.get(canonical)
+        if entry is None:
+            try:
+                loaded = load_model(canonical, dtype=self.dtype)
+            except ModelError as exc:
+                raise ModelUnavailable(503, "model_unavailable", f"Cannot load '{canonical}': {exc}") from exc
+            entry = self._bases[canonical] = _Base(loaded, ChatFormatter(loaded.tokenizer))
+        return entry
+
+    def _base_served(self, name: str, entry: _Base) -> ServedModel:
+        return ServedModel(key=name, tokenizer=entry.loaded.tokenizer, formatter=entry.formatter,
+                           max_context=_max_context(entry.loaded.model), _module=entry.loaded.model, _peft=entry.peft)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def _checked_directory(self, checkpoint_path: str) -> Path:
+        directory = Path(checkpoint_path).resolve()
+        if self.checkpoint_root is not None and self.checkpoint_root not in directory.parents:
+            raise ModelUnavailable(404, "checkpoint_files_missing",
+                                   "The checkpoint's files are not under this inference server's checkpoint "
+                                   "directory (AGENT_RFT_CHECKPOINT_DIR).")
+        if not directory.is_dir():
+            raise ModelUnavailable(404, "checkpoint_files_missing",
+                                   "The checkpoint's files are gone (deleted from the checkpoint storage), so it "
+                                   "cannot be served; use another checkpoint of the job.")
+        return directory
+
+    def _load_checkpoint(self, key: str, directory: Path, base: _Base) -> ServedModel:
+        if (directory / "adapter_config.json").is_file():
+            return self._load_adapter(key, directory, base)
+        if (directory / "config.json").is_file():
+            return self._load_full(key, directory)
+        raise ModelUnavailable(404, "checkpoint_files_missing",
+                               "The checkpoint's directory holds neither a LoRA adapter nor a model.")
+
+    def _load_adapter(self, key: str, directory: Path, base: _Base) -> ServedModel:
+        from peft import PeftModel
+
+        self._adapter_names += 1
+        name = f"adapter{self._adapter_names}"
+        try:
+            if base.peft is None:
+                base.peft = PeftModel.from_pretrained(base.loaded.model, str(directory), adapter_name=name)
+                base.peft.eval()
+            else:
+                base.peft.load_adapter(str(directory), adapter_name=name)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise ModelUnavailable(404, "checkpoint_files_missing", f"The checkpoint's LoRA adapter cannot be loaded: {exc}") from exc
+        return ServedModel(key=key, tokenizer=base.loaded.tokenizer, formatter=base.formatter,
+                           max_context=_max_context(base.loaded.model), _module=base.peft, _adapter=name, _peft=base.peft)
+
+    def _load_full(self, key: str, directory: Path) -> ServedModel:
+        try:
+            loaded = load_model(str(directory), dtype=self.dtype)
+        except ModelError as exc:
+            raise ModelUnavailable(404, "checkpoint_files_missing", f"The checkpoint cannot be loaded: {exc}") from exc
+        return ServedModel(key=key, tokenizer=loaded.tokenizer, formatter=ChatFormatter(loaded.tokenizer),
+                           max_context=_max_context(loaded.model), _module=loaded.model)
+
+    def _evict(self, key: str, served: ServedModel) -> None:
+        if served._adapter is not None:
+            served._peft.delete_adapter(served._adapter)
+        self.stats.evictions += 1
+        log.info("evicted %s from the model pool", key)
+        release_freed_memory()
+
+
+def _max_context(model: Any) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 8192))

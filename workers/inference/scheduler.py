@@ -1,0 +1,149 @@
+"""Batching: requests for the same model (and sampling settings) are generated together.
+
+Every request becomes a `Pending`; a loop takes the oldest one, waits `batch_window_s` for
+others of the same model to arrive, and generates all their rows (n per request) in one
+`generate_batch` call on the inference server's single generation thread, which is also the only
+thread that touches the model pool. Each pending request receives, on its own asyncio queue:
+("accepted", plan) or ("error", exc) first, then ("delta", choice index, text) while it streams,
+then ("done", choices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.inference.chat import BadChatRequest, ChatPlan, ChoiceStream, finish_choice, plan
+from workers.inference.pool import ModelPool, ModelUnavailable, ServedModel
+from workers.rl.generation import GenerationRequest, generate_batch
+from workers.rl.models import release_freed_memory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    request: dict[str, Any]
+    model: dict[str, Any]  # {"name", "base", "checkpoint_path"} as the API resolved it
+    stream: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def group(self) -> tuple[Any, ...]:
+        r = self.request
+        return (self.model["base"].casefold(), self.model.get("checkpoint_path"), r.get("temperature"), r.get("top_p"))
+
+    def rows(self) -> int:
+        return int(self.request.get("n") or 1)
+
+
+@dataclass
+class _Row:
+    pending: Pending
+    chat: ChatPlan
+    choice: int
+    stream: ChoiceStream | None
+
+
+class Scheduler:
+    def __init__(self, pool: ModelPool, *, max_batch_size: int, batch_window_s: float, default_max_tokens: int) -> None:
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.default_max_tokens = default_max_tokens
+        self.pending: list[Pending] = []
+        self.wake = asyncio.Event()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        self.batch_sizes: list[int] = []
+
+    def submit(self, pending: Pending) -> None:
+        self.pending.append(pending)
+        self.wake.set()
+
+    async def in_generation_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if not self.pending:
+                continue
+            if self.batch_window_s:
+                await asyncio.sleep(self.batch_window_s)  # let requests for the same model join
+            batch = self._take_batch()
+            loop = asyncio.get_running_loop()
+            try:
+                await self.in_generation_thread(self._generate, batch, loop)
+            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+                log.exception("generation failed")
+                for pending in batch:
+                    pending.events.put_nowait(("error", exc))
+            if self.pending:
+                self.wake.set()
+
+    def _take_batch(self) -> list[Pending]:
+        head = self.pending[0]
+        batch, rows = [], 0
+        for pending in list(self.pending):
+            if pending.group != head.group or (batch and rows + pending.rows() > self.max_batch_size):
+                continue
+            batch.append(pending)
+            rows += pending.rows()
+            self.pending.remove(pending)
+        return batch
+
+    # -- on the generation thread -----------------------------------------------------------------
+
+    def _generate(self, batch: list[Pending], loop: asyncio.AbstractEventLoop) -> None:
+        def send(pending: Pending, *event: Any) -> None:
+            loop.call_soon_threadsafe(pending.events.put_nowait, event)
+
+        head = batch[0].model
+        try:
+            served = self.pool.get(head["base"], head.get("checkpoint_path"))
+        except ModelUnavailable as exc:
+            for pending in batch:
+                send(pending, "error", exc)
+            return
+        rows = self._plan_rows(batch, served, send)
+        if not rows:
+            return
+        self.batch_sizes.append(len(rows))
+
+        def on_token(row: int, token: int) -> None:
+            entry = rows[row]
+            if entry.stream is not None and (text := entry.stream.feed(token)):
+                send(entry.pending, "delta", entry.choice, text)
+
+        requests: list[GenerationRequest] = [r.chat.generations[r.choice] for r in rows]
+        tokenizer = served.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        try:
+            with served.activate() as module:
+                outputs = generate_batch(module, requests, pad_token_id=pad, temperature=rows[0].chat.temperature,
+                                         top_p=rows[0].chat.top_p, decode=served.formatter.decode, on_token=on_token)
+        finally:
+            release_freed_memory()  # KV caches of a new shape every batch (models.release_freed_memory)
+        results: dict[int, list[Any]] = {}
+        for entry, output in zip(rows, outputs):
+            result = finish_choice(entry.chat, served, entry.choice, output)
+            results.setdefault(id(entry.pending), [entry.pending, entry.chat, []])[2].append((entry, result))
+        for pending, chat, done in results.values():
+            send(pending, "done", chat, done)
+
+    def _plan_rows(self, batch: list[Pending], served: ServedModel, send: Any) -> list[_Row]:
+        rows: list[_Row] = []
+        for pending in batch:
+            try:
+                chat = plan(pending.request, pending.model["name"], served, default_max_tokens=self.default_max_tokens)
+            except BadChatRequest as exc:
+                send(pending, "error", exc)
+                continue
+            send(pending, "accepted", chat)
+            rows += [_Row(pending, chat, index, ChoiceStream(chat, served) if pending.stream else None)
+                     for index in range(len(chat.generations))]
+        return rows

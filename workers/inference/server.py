@@ -1,0 +1,127 @@
+"""The inference server (`agent-rft inference`): a process of its own, torch inside, no database.
+
+The API authenticates the caller, resolves the model name within the caller's project and
+forwards `{"request": <checked chat request>, "model": {"name", "base", "checkpoint_path"}}` to
+`POST /internal/v1/chat/completions` with the worker token. Answers are OpenAI's chat-completion
+objects, or server-sent `chat.completion.chunk` events when `stream` is true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.core.config import Settings
+from app.core.errors import error_body
+from workers.inference.chat import BadChatRequest, ChatPlan, chunk, completion_body, delta, tool_call_deltas, usage
+from workers.inference.pool import ModelPool, ModelUnavailable
+from workers.inference.scheduler import Pending, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, *, code: str, param: str | None = None,
+           type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
+
+
+def _error_for(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, BadChatRequest):
+        return _error(400, exc.message, code=exc.code, param=exc.param)
+    if isinstance(exc, ModelUnavailable):
+        return _error(exc.status, exc.message, code=exc.code, param="model",
+                      type="server_error" if exc.status >= 500 else "invalid_request_error")
+    return _error(500, f"Generation failed: {type(exc).__name__}", code="generation_failed", type="server_error")
+
+
+def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI:
+    pool = ModelPool(bases=settings.inference_models, capacity=settings.inference_pool_size,
+                     dtype=settings.inference_dtype, checkpoint_root=settings.resolved_checkpoint_dir)
+    scheduler = Scheduler(pool, max_batch_size=settings.inference_max_batch_size,
+                          batch_window_s=settings.inference_batch_window_s,
+                          default_max_tokens=settings.inference_default_max_tokens)
+    token = settings.worker_token.get_secret_value().encode()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        if preload:  # load every base model once, before the server says it is ready
+            for base in settings.inference_models:
+                await scheduler.in_generation_thread(pool.get, base, None)
+        loop_task = asyncio.create_task(scheduler.run())
+        yield
+        loop_task.cancel()
+        scheduler.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="agent-rft inference", lifespan=lifespan)
+    app.state.pool, app.state.scheduler = pool, scheduler
+
+    def authorized(request: Request) -> bool:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "bases": list(settings.inference_models), "pool": pool.loaded_keys(),
+                "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions}
+
+    @app.post("/internal/v1/chat/completions", response_model=None)
+    async def complete(request: Request) -> Response:
+        if not authorized(request):
+            return _error(401, "The inference server needs the worker token.", code="invalid_worker_token")
+        try:
+            body = await request.json()
+            chat_request, model = body["request"], body["model"]
+            model["base"], model["name"]  # noqa: B018 - both are required
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "Expected {'request': {...}, 'model': {'name', 'base', 'checkpoint_path'}}.",
+                          code="invalid_value")
+        pending = Pending(chat_request, model, stream=bool(chat_request.get("stream")))
+        scheduler.submit(pending)
+        first = await pending.events.get()
+        if first[0] == "error":
+            return _error_for(first[1])
+        chat: ChatPlan = first[1]
+        if pending.stream:
+            return StreamingResponse(_events(pending, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        event = await pending.events.get()
+        if event[0] == "error":
+            return _error_for(event[1])
+        return JSONResponse(completion_body(chat, [result for _, result in event[2]]))
+
+    return app
+
+
+async def _events(pending: Pending, chat: ChatPlan) -> AsyncIterator[str]:
+    """OpenAI's stream: a role delta per choice, content deltas, tool-call deltas, a finish chunk per
+    choice, the usage chunk when asked for, then [DONE]."""
+    choices = range(len(chat.generations))
+    yield chunk(chat, [delta(i, role="assistant", content="") for i in choices])
+    while True:
+        event = await pending.events.get()
+        if event[0] == "delta":
+            yield chunk(chat, [delta(event[1], content=event[2])])
+            continue
+        if event[0] == "error":
+            response = _error_for(event[1])
+            yield f"data: {response.body.decode()}\n\n"
+            return
+        break
+    finished = event[2]
+    for entry, result in finished:
+        rest = entry.stream.rest(result) if entry.stream else ""
+        if rest:
+            yield chunk(chat, [delta(result.index, content=rest)])
+        if result.tool_calls:
+            yield chunk(chat, [delta(result.index, tool_calls=tool_call_deltas(result.tool_calls))])
+        yield chunk(chat, [delta(result.index, finish=result.finish)])
+    if (chat.request.get("stream_options") or {}).get("include_usage"):
+        yield chunk(chat, [], usage_block=usage(chat, [result for _, result in finished]))
+    yield "data: [DONE]\n\n"
