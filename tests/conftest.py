@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -217,24 +218,53 @@ def live_server(settings: Settings) -> Iterator[str]:
 
 
 @contextmanager
-def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: str) -> Iterator[tuple[Any, Path]]:
-    """A real `agent-rft worker` on Redis for `queues`, talking to the API at `api_url`; yields
-    (process, log path) once it is ready and kills its process group afterwards."""
-    env = {**os.environ, "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": token,
-           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
-           "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
-           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
-    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
+def agent_rft_process(args: list[str], env: dict[str, str], log: Path, ready: Any) -> Iterator[Any]:
+    """A real `agent-rft ARGS` subprocess in its own process group, its output in `log`; yields the
+    process once `ready()` is true and kills the whole group afterwards."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "agent-rft"), "worker", "--queues", queues,
-                                 "--loglevel", "info"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "agent-rft"), *args], env={**os.environ, **env},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: "ready" in log.read_text() or proc.poll() is not None, timeout=120, interval=0.2)
+        wait_for(lambda: ready() or proc.poll() is not None, timeout=180, interval=0.2)
         assert proc.poll() is None, log.read_text()
-        yield proc, log
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@contextmanager
+def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: str) -> Iterator[tuple[Any, Path]]:
+    """A real `agent-rft worker` on Redis for `queues`, talking to the API at `api_url`; yields
+    (process, log path) once it is ready and kills its process group afterwards."""
+    env = {"AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": token,
+           "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
+           "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
+           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+    log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
+    with agent_rft_process(["worker", "--queues", queues, "--loglevel", "info"], env, log,
+                           lambda: log.exists() and "ready" in log.read_text()) as proc:
+        yield proc, log
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str, Any, Path]]:
+    """A real `agent-rft inference` server with `settings`' models, pool and checkpoint directory;
+    yields (its URL, process, log path) once its base models are loaded."""
+    port = free_port()
+    env = {"AGENT_RFT_WORKER_TOKEN": token, "AGENT_RFT_INFERENCE_MODELS": ",".join(settings.inference_models),
+           "AGENT_RFT_INFERENCE_POOL_SIZE": str(settings.inference_pool_size),
+           "AGENT_RFT_CHECKPOINT_DIR": str(settings.resolved_checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+    url = f"http://127.0.0.1:{port}"
+    log = settings.data_dir / f"inference-{uuid.uuid4().hex[:6]}.log"
+    with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: _answers(f"{url}/healthz")) as proc:
+        yield url, proc, log

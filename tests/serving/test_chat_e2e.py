@@ -1,0 +1,370 @@
+"""Serving end to end: the official `openai` SDK against the live API and a real inference server
+(`agent-rft inference`, a subprocess), real PostgreSQL, Redis and a Celery worker that trained
+the job. One job (tiny model, LoRA, 3 steps with a checkpoint each) is trained once for the module."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from app.core.config import Settings
+from tests.conftest import (
+    REDIS_URL, _truncate_all, agent_rft_inference, agent_rft_worker, jsonl, live_server, make_project, wait_for,
+)
+from tests.rl.tool_server import tool_server
+
+TOKEN = "serving-worker-token"
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                          "required": ["query"]}}}
+SMOLLM2 = "SmolLM2-135M-Instruct"
+WORKED_EXAMPLE = """You have a tool named search. Example:
+User: What was Foo Corp revenue in 2021?
+Assistant: <tool_call>{"name": "search", "arguments": {"query": "Foo Corp revenue 2021"}}</tool_call>"""
+HELLO = [{"role": "user", "content": "What was ACME's revenue in 2001?"}]
+
+
+@dataclass
+class Trained:
+    settings: Settings
+    api_url: str
+    inference_url: str
+    inference_log: Path
+    key: str
+    other_key: str
+    job_id: str
+    model: str
+    checkpoints: dict[int, tuple[str, str, str]]  # step -> (checkpoint id, model name, path)
+    full_model: str  # a full-fine-tuned job's model (one step)
+    full_path: str
+
+    def sdk(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.api_url}/v1", api_key=key or self.key, max_retries=0, timeout=120)
+
+    def pool(self) -> dict:
+        return httpx.get(f"{self.inference_url}/healthz", timeout=10).json()
+
+
+def _train(sdk: openai.OpenAI, tool_url: str, *, rows: int = 6, **options) -> str:  # noqa: ANN003
+    rows = [{"messages": list(HELLO), "tools": [SEARCH], "reference_answer": f"{100 + i}"} for i in range(rows)]
+    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows))), purpose="fine-tune")
+    job = sdk.fine_tuning.jobs.create(model="tiny-smollm2", training_file=uploaded.id, seed=3, suffix="serve", method={
+        "type": "reinforcement", "reinforcement": {
+            # Rewards that differ between rollouts (random text scores by its characters), so every
+            # step updates the adapters and each checkpoint is a different model.
+            "grader": {"type": "python", "name": "spread",
+                       "source": "def grade(sample, item):\n    return sum(map(ord, sample['output_text'])) % 10 / 10\n"},
+            "tools": [{"name": "search", "server_url": tool_url}],
+            "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 1,
+                                "eval_samples": 2},
+            "max_episode_steps": 1,
+            "x_open_model": {"lora_rank": 4, "max_tokens_per_turn": 8, "max_tokens_per_rollout": 16,
+                             "learning_rate": 0.05, **options},
+        }})
+    return job.id
+
+
+def _finished(sdk: openai.OpenAI, job_id: str, log: Path):  # noqa: ANN202
+    wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed", "cancelled"),
+             timeout=300, interval=0.5)
+    job = sdk.fine_tuning.jobs.retrieve(job_id)
+    assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+    return job
+
+
+@pytest.fixture(scope="module")
+def trained(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+    root = tmp_path_factory.mktemp("serving")
+    settings = Settings(_env_file=None, data_dir=root / "data", database_url=pg_url, broker_url=REDIS_URL,
+                        training_queue=f"test-serving-{uuid.uuid4().hex[:8]}", outbound_allowlist=["127.0.0.1"],
+                        checkpoint_dir=root / "checkpoints", worker_token=TOKEN, lease_seconds=10,
+                        inference_models=["tiny-smollm2", SMOLLM2], inference_pool_size=2)
+    project, other = make_project(settings), make_project(settings)
+    try:
+        with agent_rft_inference(settings, token=TOKEN) as (inference_url, _, inference_log):
+            settings.inference_url = inference_url
+            with live_server(settings) as api_url, tool_server() as (tool_url, _):
+                with agent_rft_worker(settings, api_url, token=TOKEN, queues=settings.training_queue) as (_, log):
+                    sdk = openai.OpenAI(base_url=f"{api_url}/v1", api_key=project["key"], max_retries=0)
+                    job_id = _train(sdk, tool_url)
+                    full_id = _train(sdk, tool_url, rows=2, training_mode="full")
+                    job, full = _finished(sdk, job_id, log), _finished(sdk, full_id, log)
+                paths = _checkpoint_paths(pg_url, job_id)
+                checkpoints = {c.step_number: (c.id, c.fine_tuned_model_checkpoint, paths[c.id])
+                               for c in sdk.fine_tuning.jobs.checkpoints.list(job_id)}
+                full_path = next(iter(_checkpoint_paths(pg_url, full_id).values()))
+                yield Trained(settings, api_url, inference_url, inference_log, project["key"], other["key"], job_id,
+                              job.fine_tuned_model, checkpoints, full.fine_tuned_model, full_path)
+    finally:
+        _truncate_all(pg_url)
+
+
+def _checkpoint_paths(pg_url: str, job_id: str) -> dict[str, str]:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        return dict(conn.execute("SELECT id, path FROM checkpoints WHERE job_id = %s", (job_id,)).fetchall())
+
+
+def ask(sdk: openai.OpenAI, model: str, **kwargs):  # noqa: ANN003, ANN201
+    kwargs.setdefault("messages", HELLO)
+    kwargs.setdefault("max_tokens", 12)
+    kwargs.setdefault("temperature", 0)
+    return sdk.chat.completions.create(model=model, **kwargs)
+
+
+# --- the trained model and its checkpoints ---------------------------------------------------------
+
+
+def test_the_fine_tuned_model_and_a_checkpoint_answer(trained: Trained):
+    assert sorted(trained.checkpoints) == [1, 2, 3]
+    with trained.sdk() as sdk:
+        final = ask(sdk, trained.model)
+        checkpoint = ask(sdk, trained.checkpoints[1][1])
+        base = ask(sdk, "tiny-smollm2")
+    for answer, name in ((final, trained.model), (checkpoint, trained.checkpoints[1][1]), (base, "tiny-smollm2")):
+        assert answer.object == "chat.completion" and answer.model == name
+        assert answer.choices[0].message.role == "assistant"
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert answer.usage.completion_tokens == 12 or answer.choices[0].finish_reason == "stop"
+        assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    # The fine-tuned model is its job's last checkpoint.
+    with trained.sdk() as sdk:
+        last = ask(sdk, trained.checkpoints[3][1])
+    assert final.choices[0].message.content == last.choices[0].message.content
+
+
+def test_with_tools_the_tiny_model_still_answers_in_text(trained: Trained):
+    with trained.sdk() as sdk:
+        answer = ask(sdk, trained.model, tools=[SEARCH], tool_choice="auto")
+    # Random weights never write a tool call: the answer is text, read by the training parser.
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.tool_calls is None
+
+
+def test_streaming_gives_the_same_text_as_a_plain_request(trained: Trained):
+    with trained.sdk() as sdk:
+        plain = ask(sdk, trained.model, max_tokens=16)
+        chunks = list(ask(sdk, trained.model, max_tokens=16, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_seed_n_and_stop(trained: Trained):
+    with trained.sdk() as sdk:
+        first = ask(sdk, trained.model, temperature=1.0, seed=11, n=3, max_tokens=10)
+        again = ask(sdk, trained.model, temperature=1.0, seed=11, n=3, max_tokens=10)
+        other = ask(sdk, trained.model, temperature=1.0, seed=12, n=3, max_tokens=10)
+        single = ask(sdk, trained.model, max_tokens=1)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]  # same seed, same output
+    assert texts != [c.message.content for c in other.choices]
+    assert len(set(texts)) > 1  # the n choices are different samples
+    assert 0 < first.usage.completion_tokens <= 3 * 10
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt is counted once, not per choice
+
+
+def test_a_stop_sequence_cuts_the_answer_before_it(trained: Trained):
+    with trained.sdk() as sdk:
+        sampled = dict(max_tokens=16, temperature=1.0, seed=5)
+        greedy = ask(sdk, trained.model, **sampled).choices[0].message.content
+        stop = greedy[len(greedy) // 2:len(greedy) // 2 + 3]
+        assert stop.strip(), greedy
+        cut = ask(sdk, trained.model, stop=[stop], **sampled).choices[0]
+    assert cut.finish_reason == "stop" and stop not in cut.message.content
+    assert greedy.startswith(cut.message.content) and len(cut.message.content) < len(greedy)
+
+
+def _engine_answer(loaded, conversation: list[dict], *, temperature: float, seed: int, tokens: int):  # noqa: ANN001, ANN202
+    """One rollout of the training engine (no tools): its answer text and token counts."""
+    import asyncio
+
+    from workers.rl.prompting import ChatFormatter
+    from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
+
+    engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), None,
+                           EngineConfig(temperature=temperature, max_tokens_per_turn=tokens, max_tokens_per_rollout=tokens))
+    return asyncio.run(engine.run([RolloutSpec(0, conversation, [], {}, seed=seed)]))[0]
+
+
+def test_parity_with_the_training_engine(trained: Trained):
+    """The endpoint and the rollout engine, with a checkpoint loaded as `agent-rft eval` loads it, give
+    the same text: greedy, and sampled with the same seed (a rollout with seed s samples its first
+    turn with seed s * 1000)."""
+    from workers.rl.models import load_model
+    from workers.rl.rollout_command import load_policy
+
+    _, name, path = trained.checkpoints[2]
+    conversation = [{"role": "system", "content": "Answer briefly."}, *HELLO]
+    checkpoint = load_policy(path)
+    with trained.sdk() as sdk:
+        for temperature, seed in ((0.0, 0), (1.0, 7)):
+            record = _engine_answer(checkpoint, conversation, temperature=temperature, seed=seed, tokens=20)
+            served = ask(sdk, name, messages=conversation, max_tokens=20, temperature=temperature, seed=seed * 1000)
+            assert served.choices[0].message.content == record.messages[-1]["content"]
+            assert (served.usage.prompt_tokens, served.usage.completion_tokens) == (record.prompt_tokens,
+                                                                                  record.completion_tokens)
+        base = ask(sdk, "tiny-smollm2", messages=conversation, max_tokens=20, temperature=1.0, seed=7000)
+        assert base.choices[0].message.content != served.choices[0].message.content  # the adapter is applied
+        # A real model, greedy: SmolLM2 writes text, not newlines, so the comparison has teeth.
+        smol = load_model(SMOLLM2)
+        question = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        record = _engine_answer(smol, question, temperature=0.0, seed=0, tokens=24)
+        served = ask(sdk, SMOLLM2, messages=question, max_tokens=24)
+    assert len(set(record.messages[-1]["content"])) > 5
+    assert served.choices[0].message.content == record.messages[-1]["content"]
+
+
+def test_a_full_fine_tuned_model_is_served_like_the_engine_runs_it(trained: Trained):
+    from workers.rl.rollout_command import load_policy
+
+    conversation = [{"role": "system", "content": "Answer briefly."}, *HELLO]
+    record = _engine_answer(load_policy(trained.full_path), conversation, temperature=1.0, seed=3, tokens=16)
+    with trained.sdk() as sdk:
+        served = ask(sdk, trained.full_model, messages=conversation, max_tokens=16, temperature=1.0, seed=3000)
+        base = ask(sdk, "tiny-smollm2", messages=conversation, max_tokens=16, temperature=1.0, seed=3000)
+    assert served.choices[0].message.content == record.messages[-1]["content"]
+    assert served.choices[0].message.content != base.choices[0].message.content
+    assert str(Path(trained.full_path).resolve()) in trained.pool()["pool"]  # one pool for adapters and full models
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+
+def test_models_are_listed_retrieved_and_scoped_to_the_project(trained: Trained):
+    with trained.sdk() as sdk, trained.sdk(trained.other_key) as other:
+        mine = {m.id: m for m in sdk.models.list()}
+        theirs = {m.id for m in other.models.list()}
+        assert {"tiny-smollm2", SMOLLM2, trained.model} | {c[1] for c in trained.checkpoints.values()} <= set(mine)
+        assert mine[trained.model].owned_by != "agent-rft" and mine["tiny-smollm2"].owned_by == "agent-rft"
+        assert sdk.models.retrieve(trained.model).id == trained.model
+        assert sdk.models.retrieve(trained.checkpoints[1][1]).object == "model"
+        assert theirs == {"tiny-smollm2", SMOLLM2}
+        for name in (trained.model, trained.checkpoints[1][1]):
+            with pytest.raises(openai.NotFoundError) as caught:
+                ask(other, name)
+            assert caught.value.code == "model_not_found"
+            with pytest.raises(openai.NotFoundError):
+                other.models.retrieve(name)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            ask(sdk, "ft:tiny-smollm2:nobody::ftjob-nothing")
+        assert unknown.value.code == "model_not_found"
+        assert str(unknown.value.body["message"]) == str(caught.value.body["message"]).replace(
+            trained.checkpoints[1][1], "ft:tiny-smollm2:nobody::ftjob-nothing")
+
+
+# --- the pool --------------------------------------------------------------------------------------
+
+
+def test_more_adapters_than_the_pool_holds_are_evicted_and_reloaded(trained: Trained):
+    names = [trained.checkpoints[step][1] for step in (1, 2, 3)]
+    with trained.sdk() as sdk:
+        sampled = dict(temperature=1.0, seed=5)
+        first = {name: ask(sdk, name, **sampled).choices[0].message.content for name in names}
+        before = trained.pool()
+        assert len(before["pool"]) == 2 == before["pool_capacity"]
+        again = ask(sdk, names[0], **sampled).choices[0].message.content  # evicted by the third: loaded again
+    assert len(set(first.values())) == 3  # three different models answered
+    after = trained.pool()
+    assert again == first[names[0]]
+    assert after["loads"] > before["loads"] and after["evictions"] > before["evictions"]
+    assert trained.checkpoints[1][2] in after["pool"]
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+def test_bad_requests_answer_openai_errors(trained: Trained):
+    with trained.sdk() as sdk:
+        cases = [
+            (dict(max_tokens=9000), "context_length_exceeded", "messages"),
+            (dict(messages=[{"role": "wizard", "content": "hi"}]), "invalid_value", "messages"),
+            (dict(messages=[]), "invalid_value", "messages"),
+            (dict(logit_bias={"42": 5}), "unsupported_parameter", "logit_bias"),
+            (dict(logprobs=True), "unsupported_parameter", "logprobs"),
+            (dict(response_format={"type": "json_object"}), "invalid_value", "response_format"),
+            (dict(extra_body={"best_of": 2}), "unsupported_parameter", "best_of"),
+            (dict(tools=[SEARCH], tool_choice={"type": "function", "function": {"name": "nope"}}), "invalid_value",
+             "tool_choice"),
+            (dict(n=0), "invalid_value", "n"),
+            (dict(temperature=3), "invalid_value", "temperature"),
+        ]
+        for kwargs, code, param in cases:
+            with pytest.raises(openai.BadRequestError) as caught:
+                ask(sdk, trained.model, **kwargs)
+            assert (caught.value.code, caught.value.param) == (code, param), (kwargs, caught.value.body)
+        with pytest.raises(openai.BadRequestError) as long_prompt:
+            ask(sdk, "tiny-smollm2", messages=[{"role": "user", "content": "word " * 9000}])
+        assert long_prompt.value.code == "context_length_exceeded"
+        assert "maximum context length is 8192 tokens" in long_prompt.value.message
+
+
+def test_a_checkpoint_whose_files_are_gone_is_404(trained: Trained):
+    _, name, path = trained.checkpoints[1]
+    moved = Path(path).with_name("moved-away")
+    shutil.move(path, moved)
+    try:
+        with trained.sdk() as sdk:
+            ask(sdk, trained.checkpoints[2][1])  # pushes step 1 out of the pool (capacity 2)
+            ask(sdk, trained.checkpoints[3][1])
+            with pytest.raises(openai.NotFoundError) as caught:
+                ask(sdk, name)
+    finally:
+        shutil.move(moved, path)
+    assert caught.value.code == "checkpoint_files_missing"
+    assert "gone" in caught.value.message
+
+
+def test_an_unreachable_inference_server_is_503_quickly(trained: Trained, pg_url: str):
+    from tests.conftest import free_port
+
+    settings = trained.settings.model_copy(update={"inference_url": f"http://127.0.0.1:{free_port()}"})
+    with live_server(settings) as api_url, \
+            openai.OpenAI(base_url=f"{api_url}/v1", api_key=trained.key, max_retries=0, timeout=30) as sdk:
+        with pytest.raises(openai.InternalServerError) as caught:
+            ask(sdk, "tiny-smollm2")
+        with pytest.raises(openai.InternalServerError):
+            ask(sdk, "tiny-smollm2", stream=True)
+    assert caught.value.status_code == 503 and caught.value.code == "inference_unavailable"
+
+
+# --- a real model: tool calls and an agent loop ------------------------------------------------------
+
+
+def test_smollm2_tool_call_round_trip(trained: Trained):
+    """The base SmolLM2 calls the tool (a worked example in the system message, as in training), the
+    caller runs it and sends the result back, and the model answers."""
+    question = [{"role": "system", "content": WORKED_EXAMPLE},
+                {"role": "user", "content": "What was Acme Corp revenue in 2022?"}]
+    with trained.sdk() as sdk:
+        first = ask(sdk, SMOLLM2, messages=question, tools=[SEARCH], max_tokens=60)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "search" and call.id.startswith("call_")
+        assert "acme" in __import__("json").loads(call.function.arguments)["query"].lower()
+        streamed = list(ask(sdk, SMOLLM2, messages=question, tools=[SEARCH], max_tokens=60, stream=True))
+        deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+        assert deltas and deltas[0].tool_calls[0].function.name == "search"
+        assert deltas[0].tool_calls[0].function.arguments == call.function.arguments
+        assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+        history = question + [choice.message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id,
+                               "content": "Acme Corp annual report 2022: revenue was $713.8 million."}]
+        final = ask(sdk, SMOLLM2, messages=history, tools=[SEARCH], tool_choice="none", max_tokens=40)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the tool result was in the prompt
