@@ -261,6 +261,23 @@ def jobs_watch(job_id: str, interval: Annotated[float, typer.Option(min=0.1, hel
     raise typer.Exit(code=0 if job.status == "succeeded" else 1)
 
 
+checkpoints_cli = typer.Typer(help="Checkpoints of fine-tuning jobs (docs/checkpoints.md).", no_args_is_help=True)
+cli.add_typer(checkpoints_cli, name="checkpoints")
+
+
+@checkpoints_cli.command("download")
+def checkpoints_download(job_id: str, checkpoint_id: str,
+                         output: Annotated[Path | None, typer.Option(
+                             "--output", help="Folder to create (default ./<job_id>-step-<N>).")] = None,
+                         base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Download a checkpoint (LoRA adapter or full model) into a folder; print how to load it."""
+    from app.cli_client import checkpoint_report, download_checkpoint
+
+    client = _client(base_url, api_key)
+    folder = _client_call(lambda: download_checkpoint(client, job_id, checkpoint_id, output))
+    typer.echo(_client_call(lambda: checkpoint_report(client, job_id, folder)))
+
+
 diagnostics_cli = typer.Typer(help="Variance diagnostics on an agent-rft server (docs/diagnostics.md).",
                               no_args_is_help=True)
 cli.add_typer(diagnostics_cli, name="diagnostics")

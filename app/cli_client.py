@@ -1,4 +1,4 @@
-"""What the user-facing `agent-rft files|jobs|eval` commands do: talk to a running agent-rft
+"""What the user-facing `agent-rft files|jobs|checkpoints|eval` commands do: talk to a running agent-rft
 server with the official `openai` SDK (exactly as a user's own code would), and run the
 before/after evaluation locally with the training engine.
 
@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import httpx
 import openai
 import yaml
 
@@ -266,6 +270,78 @@ def final_report(job: Any) -> str:
     if job.error and job.error.message:
         return f"{job.status}: {job.error.code}: {job.error.message}"
     return job.status
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+# What the SDK's `with_streaming_response` sends: the response comes back with its body unread.
+STREAMED_BODY = {"X-Stainless-Raw-Response": "stream"}
+
+
+def download_checkpoint(client: openai.OpenAI, job_id: str, checkpoint_id: str, output: Path | None) -> Path:
+    """Stream GET …/checkpoints/{id}/content (a tar) to a temporary file next to the target, extract
+    it there (members that would land outside it refused), then move its folder to `output`
+    (default ./<job_id>-step-<N>). Returns the folder; nothing is left behind on failure."""
+    parent = (output.expanduser().resolve().parent if output else Path.cwd())
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".agent-rft-download-", dir=parent) as tmp:
+        archive = Path(tmp) / "checkpoint.tar"
+        _stream_to(client, f"/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content", archive)
+        extracted = _extract(archive, Path(tmp) / "extracted")
+        target = output.expanduser().resolve() if output else parent / extracted.name
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise CliError(f"{target} already exists and is not empty; pass another --output")
+        os.replace(extracted, target)  # an empty directory is replaced
+    return target
+
+
+def _stream_to(client: openai.OpenAI, path: str, destination: Path) -> None:
+    with api_errors():
+        response = client.get(path, cast_to=httpx.Response, options={"headers": STREAMED_BODY})
+    try:
+        with destination.open("wb") as out:
+            for chunk in response.iter_bytes():
+                out.write(chunk)
+    except OSError as exc:
+        raise CliError(f"cannot write {destination}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the transport's own errors (httpx or httpx2, as the SDK uses)
+        raise CliError(f"the download was cut off: {exc}") from exc
+    finally:
+        response.close()
+
+
+def _extract(archive: Path, destination: Path) -> Path:
+    """Extract with tarfile's "data" filter (no absolute paths, no `..`, no links out, no devices);
+    the archive must hold one top folder, which is returned."""
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            names = [PurePosixPath(m.name) for m in tar.getmembers()]
+            bad = next((n for n in names if n.is_absolute() or ".." in n.parts or not n.parts), None)
+            if bad is not None:  # the filter would strip a leading "/"; such an archive is refused whole
+                raise CliError(f"refused the checkpoint archive: member {str(bad)!r} points outside its folder")
+            tops = {n.parts[0] for n in names}
+            if len(tops) != 1:
+                raise CliError(f"unexpected archive layout: top-level entries {sorted(tops)}")
+            tar.extractall(destination, filter="data")
+    except tarfile.TarError as exc:
+        raise CliError(f"refused the checkpoint archive: {exc}") from exc
+    folder = destination / tops.pop()
+    if not folder.is_dir():
+        raise CliError(f"unexpected archive layout: {folder.name} is not a folder")
+    return folder
+
+
+def checkpoint_report(client: openai.OpenAI, job_id: str, folder: Path) -> str:
+    """Where the checkpoint is and the Python that loads it (the folder's README.md says more)."""
+    from app.jobs.checkpoints import ADAPTER_CONFIG, load_snippet
+
+    lora = (folder / ADAPTER_CONFIG).is_file()
+    with api_errors():
+        model = client.fine_tuning.jobs.retrieve(job_id).model
+    snippet = "\n".join(f"    {line}".rstrip() for line in load_snippet(model, str(folder), lora=lora))
+    kind = "LoRA adapter" if lora else "full model"
+    return (f"saved {kind} to {folder}\nload it with:\n{snippet}\n"
+            f"(how it was trained and how to serve it with vLLM: {folder / 'README.md'})")
 
 
 # --- eval -----------------------------------------------------------------------------------

@@ -282,7 +282,9 @@ def test_finish_succeeded_names_the_model_and_a_retry_changes_nothing(api, worke
     assert first.json() == retry.json() == {"status": "succeeded", "fine_tuned_model": model}
     job = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"] == model and job["trained_tokens"] == 1234
-    assert job["finished_at"] and job["result_files"] == []
+    assert job["finished_at"] and len(job["result_files"]) == 1
+    results = api.get("/v1/files", params={"purpose": "fine-tune-results"}).json()["data"]
+    assert [f["id"] for f in results] == job["result_files"]  # the retried finish made no second file
     # The "auto" hyperparameters show the values the worker trained with.
     assert job["hyperparameters"] == {"batch_size": 4, "learning_rate_multiplier": 1.0, "n_epochs": 2}
     assert job["method"]["reinforcement"]["hyperparameters"]["batch_size"] == 4

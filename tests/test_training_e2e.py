@@ -7,9 +7,11 @@ import io
 import os
 import signal
 import sys
+import tarfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import psycopg
@@ -100,12 +102,22 @@ def test_a_job_trains_end_to_end(training_settings, project, pg_url):
             path = conn.execute("SELECT path FROM checkpoints WHERE id = %s", (checkpoints[0].id,)).fetchone()[0]
             steps = conn.execute("SELECT step FROM job_steps WHERE job_id = %s ORDER BY step", (job_id,)).fetchall()
         assert [s for (s,) in steps] == [1, 2]
+
+        # The results file (one CSV row per step) and the trainer's checkpoint, downloaded.
+        results = sdk.files.content(job.result_files[0]).text.splitlines()
+        assert results[0].startswith("step,") and "scores.train_reward_mean" in results[0].split(",")
+        assert [r.split(",")[0] for r in results[1:]] == ["1", "2"]
+        archive = sdk.get(f"/fine_tuning/jobs/{job_id}/checkpoints/{checkpoints[0].id}/content", cast_to=httpx.Response)
+        with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+            tar.extractall(training_settings.data_dir / "download", filter="data")
+        folder = training_settings.data_dir / "download" / f"{job_id}-step-{checkpoints[0].step_number}"
+        assert sorted(p.name for p in folder.iterdir()) == sorted({p.name for p in Path(path).iterdir()} | {"README.md"})
     from peft import PeftModel
 
     from workers.rl.models import load_model
 
     base_model = load_model("tiny-smollm2").model
-    trained = PeftModel.from_pretrained(base_model, path)
+    trained = PeftModel.from_pretrained(base_model, str(folder))
     assert trained is not None and any("lora" in name for name, _ in trained.named_parameters())
 
 

@@ -165,17 +165,6 @@ def chart_series_json(*, session: Session, job_id: str, after_step: int) -> str:
     return json.dumps(series)
 
 
-def all_metrics(*, session: Session, job_id: str) -> tuple[list[str], list[tuple[int, dict[str, float]]]]:
-    """Every metric of every step, as columns and rows (for the CSV download)."""
-    rows: dict[int, dict[str, float]] = {}
-    keys: set[str] = set()
-    stmt = select(JobMetric.step, JobMetric.key, JobMetric.value).where(JobMetric.job_id == job_id)
-    for step, key, value in session.execute(stmt):
-        rows.setdefault(step, {})[key] = value
-        keys.add(key)
-    return sorted(keys), sorted(rows.items())
-
-
 def recent_events(*, session: Session, job_id: str, limit: int = EVENTS_SHOWN) -> list[dict[str, Any]]:
     stmt = (select(JobEvent.id, JobEvent.created_at, JobEvent.level, JobEvent.type, JobEvent.message)
             .where(JobEvent.job_id == job_id).order_by(JobEvent.seq.desc()).limit(limit))

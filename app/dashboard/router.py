@@ -4,9 +4,7 @@ API's JSON errors."""
 
 from __future__ import annotations
 
-import csv
 import gzip
-import io
 import json
 import math
 from datetime import datetime, timezone
@@ -40,6 +38,7 @@ from app.dashboard.auth import (
 from app.dashboard.charts import chart_specs
 from app.jobs import pipeline
 from app.jobs import service as jobs
+from app.jobs import step_metrics
 from app.jobs.state import ACTIONS, JobStatus
 
 HERE = Path(__file__).resolve().parent
@@ -283,13 +282,7 @@ def metrics_csv(job_id: str, user: DataUser, session: SessionDep) -> Response:
         jobs.get_row(session=session, project_id=user.project_id, job_id=job_id)
     except APIError as exc:
         return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
-    keys, rows = queries.all_metrics(session=session, job_id=job_id)
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(["step", *keys])
-    for step, values in rows:
-        writer.writerow([step, *(values.get(k, "") for k in keys)])
-    return Response(out.getvalue(), media_type="text/csv",
+    return Response(step_metrics.step_metrics_csv(session=session, job_id=job_id), media_type="text/csv",
                     headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import BinaryIO
 
 from sqlalchemy import select
@@ -17,6 +18,7 @@ from app.files.storage import Storage, StoredBlob, TooLarge
 from app.idempotency import service as idempotency
 
 ACCEPTED_PURPOSES = ("fine-tune",)
+RESULTS_PURPOSE = "fine-tune-results"  # files this service writes (a job's results); never uploaded
 KNOWN_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 ENDPOINT = "POST /v1/files"
 
@@ -61,6 +63,23 @@ def create_file(
     session.add(row)
     session.flush()
     idempotency.complete(session, project_id=project_id, key=idempotency_key, object_id=row.id)
+    return to_schema(row)
+
+
+def create_generated_file(
+    *, session: Session, storage: Storage, project_id: str, filename: str, purpose: str, content: bytes
+) -> FileObject:
+    """A file this service writes itself. The bytes are stored first, then the row is added to the
+    caller's transaction: a crash or a rollback leaves at worst unreferenced bytes, never a row
+    without its bytes. (They are not deleted on rollback: a commit whose answer was lost may have
+    happened.)"""
+    blob = storage.save(new_id("blob_", 32), io.BytesIO(content), max_bytes=len(content))
+    row = StoredFile(
+        id=new_id("file-"), project_id=project_id, filename=filename, purpose=purpose, bytes=blob.size,
+        sha256=blob.sha256, storage_key=blob.key, status="processed",
+    )
+    session.add(row)
+    session.flush()
     return to_schema(row)
 
 

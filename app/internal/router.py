@@ -116,9 +116,10 @@ def record_state(job_id: str, body: StatePush, session: SessionDep) -> StateResu
 
 
 @router.post("/jobs/{job_id}/finish", response_model=FinishResult)
-def finish_job(job_id: str, body: FinishPush, session: SessionDep) -> FinishResult:
-    """The end of this worker's run: succeeded, failed, or stopped after a pause or cancel."""
-    return service.finish(session=session, job_id=job_id, body=body)
+def finish_job(job_id: str, body: FinishPush, request: Request, session: SessionDep) -> FinishResult:
+    """The end of this worker's run: succeeded (its step metrics become the job's result file),
+    failed, or stopped after a pause or cancel."""
+    return service.finish(session=session, storage=request.app.state.storage, job_id=job_id, body=body)
 
 
 @public_router.get("/{fine_tuning_job_id}/rollouts", response_model=ListPage[RolloutObject])

@@ -18,7 +18,9 @@ from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, conflict, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage
+from app.files import service as files
 from app.files.models import StoredFile
+from app.files.storage import Storage
 from app.internal.models import JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.internal.schemas import (
     CheckpointPush,
@@ -40,6 +42,7 @@ from app.internal.schemas import (
     StepResult,
 )
 from app.jobs import service as jobs
+from app.jobs import step_metrics
 from app.jobs.models import Checkpoint, Job
 from app.jobs.state import TRANSITIONS, JobStatus, add_event, transition
 from app.webhooks import outbox
@@ -313,7 +316,7 @@ def _can_move(job: Job, to: JobStatus) -> bool:
     return to in TRANSITIONS.get(JobStatus(job.status), frozenset())
 
 
-def _succeed(session: Session, job: Job, body: FinishPush) -> None:
+def _succeed(session: Session, job: Job, storage: Storage) -> None:
     if job.status != S.RUNNING.value:
         # Paused or re-queued meanwhile: the next claim resumes from the saved state and finishes
         # at once; cancelled stays cancelled.
@@ -321,8 +324,18 @@ def _succeed(session: Session, job: Job, body: FinishPush) -> None:
                                 f"its status stays '{job.status}'.")
         return
     job.fine_tuned_model = fine_tuned_model_name(job, _project_name(session, job))
-    job.result_files = []
+    job.result_files = [_results_file(session, job, storage)]
     transition(session, job, S.SUCCEEDED, message="The job has successfully completed")
+
+
+def _results_file(session: Session, job: Job, storage: Storage) -> str:
+    """The job's step metrics as a `fine-tune-results` file, in the transaction of the status change
+    (only reached once per job: a retried finish returns before it)."""
+    content = step_metrics.step_metrics_csv(session=session, job_id=job.id).encode()
+    created = files.create_generated_file(session=session, storage=storage, project_id=job.project_id,
+                                          filename=step_metrics.FILENAME, purpose=files.RESULTS_PURPOSE,
+                                          content=content)
+    return created.id
 
 
 def _fail(session: Session, job: Job, body: FinishPush) -> None:
@@ -347,7 +360,7 @@ def _stop(session: Session, job: Job, body: FinishPush) -> None:
                                 f"the job's status is '{job.status}'.")
 
 
-def finish(*, session: Session, job_id: str, body: FinishPush) -> FinishResult:
+def finish(*, session: Session, storage: Storage, job_id: str, body: FinishPush) -> FinishResult:
     job = _locked_job(session, job_id)
     if not _holds_lease(job, body.lease_id):
         released = job.released_lease_id
@@ -356,7 +369,12 @@ def finish(*, session: Session, job_id: str, body: FinishPush) -> FinishResult:
         raise _lease_lost(job_id, body.lease_id)
     if body.trained_tokens is not None:
         job.trained_tokens = body.trained_tokens
-    {"succeeded": _succeed, "failed": _fail}.get(body.status, _stop)(session, job, body)
+    if body.status == "succeeded":
+        _succeed(session, job, storage)
+    elif body.status == "failed":
+        _fail(session, job, body)
+    else:
+        _stop(session, job, body)
     release_lease(job, remember=True)
     return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)
 

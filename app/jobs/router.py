@@ -4,10 +4,12 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from app.core.deps import CurrentKey, SessionDep, SettingsDep
 from app.core.pagination import ListPage
-from app.jobs import pipeline, service
+from app.jobs import checkpoints, pipeline, service
 from app.jobs.schemas import CheckpointObject, JobCreate, JobEventObject, JobObject
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -96,3 +98,22 @@ def list_checkpoints(
 ) -> ListPage[CheckpointObject]:
     return service.list_checkpoints(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
                                     after=after, limit=limit)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints/{checkpoint_id}/content", response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-tar": {}},
+                             "description": "An uncompressed tar of the checkpoint's files under "
+                                            "`<job_id>-step-<N>/`, with a generated README.md."}})
+def checkpoint_content(
+    fine_tuning_job_id: str, checkpoint_id: str, principal: CurrentKey, session: SessionDep
+) -> StreamingResponse:
+    """This service's extension: download a checkpoint (a LoRA adapter or a full model directory)."""
+    download = checkpoints.open_archive(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
+                                        checkpoint_id=checkpoint_id)
+    return StreamingResponse(
+        iter(download.archive), media_type="application/x-tar",
+        headers={"Content-Length": str(download.archive.size),
+                 "Content-Disposition": f'attachment; filename="{download.filename}"'},
+        # Closes the files also when the client went away before the end of the stream.
+        background=BackgroundTask(download.archive.close),
+    )

@@ -368,3 +368,50 @@ def test_smollm2_tool_call_round_trip(trained: Trained):
     answer = final.choices[0]
     assert answer.message.tool_calls is None and answer.message.content
     assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the tool result was in the prompt
+
+
+# --- the CLI -----------------------------------------------------------------------------------------
+
+
+def test_agent_rft_chat_shows_answers_and_tool_calls(trained: Trained, tmp_path: Path):
+    import subprocess
+    import sys
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(__import__("json").dumps([SEARCH["function"]]))
+    cli = [str(Path(sys.executable).parent / "agent-rft"), "chat", "--base-url", f"{trained.api_url}/v1",
+           "--api-key", trained.key]
+    called = subprocess.run([*cli, SMOLLM2, "--tools", str(tools), "--system", WORKED_EXAMPLE, "--max-tokens", "60",
+                             "-m", "What was Acme Corp revenue in 2022?"], capture_output=True, text=True, timeout=120)
+    assert called.returncode == 0, called.stderr
+    assert "→ tool call search(" in called.stdout and "[finish_reason: tool_calls]" in called.stdout
+    talked = subprocess.run([*cli, trained.model, "--max-tokens", "5"], input="Hello\nAgain\n\n", capture_output=True,
+                            text=True, timeout=120)
+    assert talked.returncode == 0, talked.stderr
+    assert talked.stdout.count("[finish_reason: length]") == 2  # two questions, two answers
+    unknown = subprocess.run([*cli, "ft:nope", "-m", "hi"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 1 and "model_not_found" in unknown.stderr + unknown.stdout
+
+
+# --- deleting a model (last: it changes what the module's job serves) ----------------------------------
+
+
+def test_deleting_the_fine_tuned_model_keeps_its_checkpoints(trained: Trained):
+    with trained.sdk() as sdk, trained.sdk(trained.other_key) as other:
+        with pytest.raises(openai.NotFoundError):
+            other.models.delete(trained.model)  # another project's model: not found, not deleted
+        with pytest.raises(openai.PermissionDeniedError):
+            sdk.models.delete("tiny-smollm2")
+        with pytest.raises(openai.BadRequestError) as checkpoint:
+            sdk.models.delete(trained.checkpoints[1][1])
+        assert checkpoint.value.code == "model_not_deletable"
+        deleted = sdk.models.delete(trained.model)
+        assert (deleted.id, deleted.deleted, deleted.object) == (trained.model, True, "model")
+        listed = {m.id for m in sdk.models.list()}
+        assert trained.model not in listed and trained.checkpoints[3][1] in listed
+        with pytest.raises(openai.NotFoundError) as gone:
+            ask(sdk, trained.model)
+        assert gone.value.code == "model_not_found"
+        with pytest.raises(openai.NotFoundError):
+            sdk.models.delete(trained.model)  # deleting twice
+        assert ask(sdk, trained.checkpoints[3][1]).choices  # the checkpoints stay callable
