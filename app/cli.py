@@ -136,6 +136,22 @@ def worker(
                             if concurrency == 1 else "prefork"])
 
 
+@cli.command()
+def inference(
+    host: Annotated[str | None, typer.Option(help="Bind address (default AGENT_RFT_INFERENCE_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default AGENT_RFT_INFERENCE_PORT).")] = None,
+) -> None:
+    """Run the inference server: chat completions for base models, fine-tuned models and checkpoints
+    (the API forwards /v1/chat/completions to it; docs/serving.md)."""
+    import uvicorn
+
+    from workers.inference.server import create_inference_app
+
+    settings = get_settings()
+    uvicorn.run(create_inference_app(settings), host=host or settings.inference_host,
+                port=port or settings.inference_port)
+
+
 class Precision(str, enum.Enum):
     """x_open_model.dtype, for the commands that load a model here."""
 
@@ -276,6 +292,25 @@ def checkpoints_download(job_id: str, checkpoint_id: str,
     client = _client(base_url, api_key)
     folder = _client_call(lambda: download_checkpoint(client, job_id, checkpoint_id, output))
     typer.echo(_client_call(lambda: checkpoint_report(client, job_id, folder)))
+
+
+@cli.command("chat")
+def chat_command(
+    model: Annotated[str, typer.Argument(help="A base model, fine-tuned model (ft:...) or checkpoint (ft:...:ckpt-step-N).")],
+    message: Annotated[str | None, typer.Option("--message", "-m", help="Ask this once and exit (default: a conversation).")] = None,
+    tools: Annotated[Path | None, typer.Option("--tools", help="JSON list of tool schemas; the model's tool calls are shown.")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0, max=2)] = 0.0,
+    base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None,
+) -> None:
+    """Chat with MODEL through /v1/chat/completions (streamed). With --tools, tool calls are shown and,
+    in a conversation, you type each tool's result, as your agent loop would send it (docs/serving.md)."""
+    from app.serving.cli import chat, read_tools
+
+    schemas = _client_call(lambda: read_tools(tools)) if tools else []
+    _client_call(lambda: chat(_client(base_url, api_key), model, tools=schemas, system=system, message=message,
+                              max_tokens=max_tokens, temperature=temperature, echo=typer.echo, ask=input))
 
 
 diagnostics_cli = typer.Typer(help="Variance diagnostics on an agent-rft server (docs/diagnostics.md).",

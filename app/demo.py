@@ -195,11 +195,14 @@ def prepare_workdir(workdir: Path) -> Path:
     return workdir
 
 
-def child_env(workdir: Path, api_url: str) -> dict[str, str]:
+def child_env(workdir: Path, api_url: str, *, inference_url: str, model: str, dtype: str) -> dict[str, str]:
     # No inherited AGENT_RFT_* setting may point the demo at another database or broker.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_RFT_")}
     env.update({"AGENT_RFT_DATA_DIR": str(workdir), "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1",
                 "AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": secrets.token_urlsafe(32),
+                # The inference server serves the demo's base model in the precision it was trained in.
+                "AGENT_RFT_INFERENCE_URL": inference_url, "AGENT_RFT_INFERENCE_MODELS": model,
+                "AGENT_RFT_INFERENCE_DTYPE": dtype,
                 "AGENT_RFT_AUTO_MIGRATE": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
     return env
@@ -245,6 +248,8 @@ def start_services(demo: Demo, corpus: Path) -> None:
     api, tools, grader = demo.url("api"), demo.url("tools"), demo.url("grader")
     services = [
         ("api", cli_argv("serve", "--host", "127.0.0.1", "--port", str(demo.ports["api"])), f"{api}/healthz"),
+        ("inference", cli_argv("inference", "--host", "127.0.0.1", "--port", str(demo.ports["inference"])),
+         f"{demo.url('inference')}/healthz"),
         ("tools", python_argv("-m", "examples.financial_reports.server", "--corpus", str(corpus),
                               "--port", str(demo.ports["tools"])), f"{tools}/healthz"),
         ("grader", python_argv("-m", "examples.financial_reports.grader_server", "--tool-server", tools,
@@ -255,9 +260,9 @@ def start_services(demo: Demo, corpus: Path) -> None:
     worker = children.start("worker", cli_argv("worker", "--loglevel", "info"))
     for name, _, health in services:
         wait_until(lambda url=health: http_ok(url), f"the {name} server ({health})", cfg.startup_timeout_s, children)
-        print(f"{name:7} ready at {demo.url(name)}  (log: {children.running[name].log})")
+        print(f"{name:9} ready at {demo.url(name)}  (log: {children.running[name].log})")
     wait_until(lambda: "ready" in worker.tail(100_000), "the worker", cfg.startup_timeout_s, children)
-    print(f"worker  ready  (log: {worker.log})")
+    print(f"worker    ready  (log: {worker.log})")
 
 
 def create_project(workdir: Path) -> str:
@@ -330,6 +335,63 @@ def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict
           f"{summary.get('completion_tokens_per_rollout', 0):.0f} tokens, "
           f"{summary.get('wall_time_s_mean', 0):.1f} s per rollout  (details: {out})")
     return report
+
+
+def call_tool(demo: Demo, call: Any, item: dict[str, Any]) -> str:
+    """Run a tool call of the served model against the demo's tool server (docs/tool-server.md), as
+    a user's own agent loop would."""
+    body = {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.function.name,
+            "arguments": call.function.arguments, "trace_id": f"trace_demo_{secrets.token_hex(8)}", "item": item}
+    answer = httpx.post(f"{demo.url('tools')}/tools", json=body, timeout=30)
+    return str(answer.json().get("output", "")) if answer.status_code < 500 else f"tool error {answer.status_code}"
+
+
+def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict[str, Path]) -> dict[str, Any]:
+    """Ask the trained model a held-out question through /v1/chat/completions, run its tool calls and
+    send the results back until it answers; print the snippet that does the same."""
+    row = json.loads(paths["held_out"].read_text().splitlines()[0])
+    item = {k: v for k, v in row.items() if k not in ("messages", "tools")}
+    from examples.financial_reports.server import TOOL_SCHEMAS  # the job's tools, in OpenAI's format
+
+    messages, tools = list(row["messages"]), row.get("tools") or TOOL_SCHEMAS
+    max_tokens = int(demo.config.x_open_model.get("max_tokens_per_turn", 256))
+    tools_file = demo.workdir / "chat-tools.json"
+    tools_file.write_text(json.dumps(tools, indent=2))
+    print(openai_snippet(demo, model, row["messages"][-1]["content"], tools_file))
+    started, turns = time.monotonic(), []
+    for turn in range(demo.config.max_episode_steps + 1):
+        answer = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0,
+                                                max_tokens=max_tokens, tool_choice="auto" if turn < demo.config.max_episode_steps else "none")
+        message = answer.choices[0].message
+        turns.append({"finish_reason": answer.choices[0].finish_reason, "content": message.content,
+                      "tool_calls": [c.model_dump() for c in message.tool_calls or []], "usage": answer.usage.model_dump()})
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            print(f"  → {call.function.name}({call.function.arguments})")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": call_tool(demo, call, item)})
+    final = turns[-1]
+    print(f"  answer ({final['finish_reason']}): {(final['content'] or '').strip()[:300]!r}")
+    print(f"  expected: {item.get('answer')}; {len(turns)} chat completion(s), "
+          f"{time.monotonic() - started:.1f} s")
+    if not turns or (not final["content"] and not final["tool_calls"]):
+        raise StageFailed(f"{model} gave an empty answer through /v1/chat/completions")
+    return {"model": model, "question": row["messages"][-1]["content"], "turns": turns,
+            "expected": item.get("answer")}
+
+
+def openai_snippet(demo: Demo, model: str, question: str, tools_file: Path) -> str:
+    return (f"Ready to paste while the demo's services run (`openai` SDK):\n\n"
+            f"  import json\n"
+            f"  from openai import OpenAI\n"
+            f"  client = OpenAI(base_url=\"{demo.url('api')}/v1\", api_key=open(\"{demo.workdir / 'api-key'}\").read().strip())\n"
+            f"  answer = client.chat.completions.create(\n"
+            f"      model=\"{model}\",\n"
+            f"      messages=[{{\"role\": \"system\", \"content\": {json.dumps(demo.config.system_prompt)}}},\n"
+            f"                {{\"role\": \"user\", \"content\": {json.dumps(question)}}}],\n"
+            f"      tools=json.load(open(\"{tools_file}\")), temperature=0)\n"
+            f"  print(answer.choices[0].message)\n")
 
 
 def job_method(demo: Demo) -> dict[str, Any]:
@@ -456,28 +518,28 @@ def format_comparison(rows: list[tuple[str, str, str]]) -> str:
 
 def stages(demo: Demo) -> None:
     cfg = demo.config
-    with demo.step("1/8 data: synthetic annual reports and questions"):
+    with demo.step("1/9 data: synthetic annual reports and questions"):
         paths = make_data(demo)
         paths["tools"] = demo.workdir / "tools.json"
         paths["tools"].write_text(json.dumps(job_tools(demo.url("tools")), indent=2))
         paths["grader"] = demo.workdir / "grader.json"
         paths["grader"].write_text(json.dumps(grader(cfg, demo.url("grader"))))
-    with demo.step("2/8 services: API, worker, tool server, grader"):
+    with demo.step("2/9 services: API, worker, tool server, grader"):
         key = create_project(demo.workdir)
         key_file = demo.workdir / "api-key"
         key_file.touch(mode=0o600)
         key_file.write_text(key + "\n")
         start_services(demo, paths["corpus"])
     client = openai.OpenAI(base_url=f"{demo.url('api')}/v1", api_key=key, max_retries=2)
-    with demo.step("3/8 upload (openai SDK)"):
+    with demo.step("3/9 upload (openai SDK)"):
         files = upload(client, paths)
     dashboard = f"{demo.url('api')}/dashboard"
-    with demo.step("4/8 variance diagnostic: which training questions can teach the model anything"):
+    with demo.step("4/9 variance diagnostic: which training questions can teach the model anything"):
         demo.report["diagnostic"] = diagnose(demo, client, files)
         print(f"browse it: {dashboard}/diagnostics/{demo.report['diagnostic']['id']}")
-    with demo.step(f"5/8 before: {cfg.model} on the held-out questions"):
+    with demo.step(f"5/9 before: {cfg.model} on the held-out questions"):
         demo.report["before"] = evaluate(demo, "before", cfg.model, paths)
-    with demo.step("6/8 train (reinforcement fine-tuning)"):
+    with demo.step("6/9 train (reinforcement fine-tuning)"):
         created = create_job(demo, client, files)
         print(f"watch it live: {dashboard}/jobs/{created.id}  (log in with the demo's API key, in "
               f"{demo.workdir / 'api-key'})", flush=True)
@@ -489,15 +551,20 @@ def stages(demo: Demo) -> None:
             raise StageFailed(f"the job ended {job.status}{error}\nend of the worker log:\n"
                               f"{demo.children.running['worker'].tail()}")
         print(f"succeeded: {job.fine_tuned_model}")
-    with demo.step("7/8 after: the final checkpoint on the held-out questions"):
+    with demo.step("7/9 after: the final checkpoint on the held-out questions"):
         checkpoint = final_checkpoint(demo.workdir, job.id)
         demo.report["checkpoint"] = str(checkpoint)
         demo.report["after"] = evaluate(demo, "after", str(checkpoint), paths)
-    with demo.step("8/8 results"):
+    with demo.step("8/9 use the trained agent: chat completions (openai SDK)"):
+        demo.report["serving"] = use_trained_model(demo, client, job.fine_tuned_model, paths)
+    with demo.step("9/9 results"):
         print(format_comparison(comparison_rows(demo.report["before"], demo.report["after"])))
         print(f"\nThe run is kept in {demo.workdir}. To browse it on the dashboard (reward curves, tool calls, "
-              f"rollout transcripts, the variance report) once the demo has stopped:\n"
-              f"  AGENT_RFT_DATA_DIR={demo.workdir} agent-rft serve --port {demo.ports['api']}\n"
+              f"rollout transcripts, the variance report) and call the trained model once the demo has stopped:\n"
+              f"  export AGENT_RFT_DATA_DIR={demo.workdir} AGENT_RFT_INFERENCE_MODELS={cfg.model} "
+              f"AGENT_RFT_INFERENCE_DTYPE={demo.dtype}\n"
+              f"  agent-rft serve --port {demo.ports['api']} & agent-rft inference &   # the API, and the "
+              f"trained model behind /v1/chat/completions\n"
               f"  then open {dashboard}/jobs/{job.id} and log in with the key in {demo.workdir / 'api-key'}")
 
 
@@ -532,9 +599,11 @@ def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool 
     except (StageFailed, OSError) as exc:
         print(f"demo failed at setup: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    ports = {name: free_port() for name in ("api", "tools", "grader")}
-    demo = Demo(config, workdir, Children(workdir, child_env(workdir, f"http://127.0.0.1:{ports['api']}")), ports,
-                demo_config.dtype(config))
+    ports = {name: free_port() for name in ("api", "inference", "tools", "grader")}
+    precision = demo_config.dtype(config)
+    env = child_env(workdir, f"http://127.0.0.1:{ports['api']}", inference_url=f"http://127.0.0.1:{ports['inference']}",
+                    model=config.model, dtype=precision)
+    demo = Demo(config, workdir, Children(workdir, env), ports, precision)
     print(f"agent-rft demo: {config.model} in {demo.dtype}, {config.steps} training steps, budget "
           f"{config.time_budget_s / 60:.0f} min, everything in {workdir}")
     previous = install_signal_handlers(config.time_budget_s)

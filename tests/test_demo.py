@@ -1,6 +1,7 @@
 """`agent-rft demo --quick`, as a user runs it: a subprocess that starts the API, a worker, the
 example tool and grader servers, runs the variance diagnostic, evaluates a tiny model, trains it for
-two steps, evaluates the checkpoint and stops every process it started; and Ctrl-C in the middle
+two steps, evaluates the checkpoint, calls the trained model through /v1/chat/completions (its own
+inference server) and stops every process it started; and Ctrl-C in the middle
 stops everything."""
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def test_quick_demo_evaluates_trains_and_compares(tmp_path):
     assert result.returncode == 0, output[-4000:]
     for line in ("before", "after", "correct answers", "searched for the company", "tool calls per rollout",
                  "tokens per rollout", "seconds per rollout", "variance diagnostic", "mixed scores (signal)",
-                 "verdict", "/dashboard/jobs/", "demo succeeded"):
+                 "verdict", "/dashboard/jobs/", "client.chat.completions.create(", "agent-rft inference",
+                 "demo succeeded"):
         assert line in result.stdout, output[-4000:]
 
     report = json.loads((workdir / "demo-report.json").read_text())
@@ -74,6 +76,11 @@ def test_quick_demo_evaluates_trains_and_compares(tmp_path):
     assert (workdir / "api-key").read_text().startswith("sk-")
     assert report["after"]["model"] == report["checkpoint"]
     assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
+    # The trained model answered through /v1/chat/completions (API + the demo's inference server).
+    serving = report["serving"]
+    assert serving["model"] == report["job"]["fine_tuned_model"] and serving["turns"]
+    assert serving["turns"][0]["usage"]["completion_tokens"] > 0
+    assert "inference" in json.loads((workdir / "pids.json").read_text())
     assert report["wall_time_s"] < 300
     assert leftover_processes(workdir) == []
     # Precision: bfloat16 where this CPU computes it natively, for the job and both evaluations.
