@@ -77,9 +77,10 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
             return _error(401, "The inference server needs the worker token.", code="invalid_worker_token")
         try:
             body = await request.json()
-            chat_request, model = body["request"], body["model"]
-            model["base"], model["name"]  # noqa: B018 - both are required
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
+            body = None
+        chat_request, model = (body.get("request"), body.get("model")) if isinstance(body, dict) else (None, None)
+        if not isinstance(chat_request, dict) or not isinstance(model, dict) or not {"name", "base"} <= set(model):
             return _error(400, "Expected {'request': {...}, 'model': {'name', 'base', 'checkpoint_path'}}.",
                           code="invalid_value")
         pending = Pending(chat_request, model, stream=bool(chat_request.get("stream")))
