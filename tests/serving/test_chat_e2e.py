@@ -145,9 +145,13 @@ def test_the_fine_tuned_model_and_a_checkpoint_answer(trained: Trained):
 def test_with_tools_the_tiny_model_still_answers_in_text(trained: Trained):
     with trained.sdk() as sdk:
         answer = ask(sdk, trained.model, tools=[SEARCH], tool_choice="auto")
+        streamed = list(ask(sdk, trained.checkpoints[1][1], tools=[SEARCH], stream=True))
+        plain = ask(sdk, trained.checkpoints[1][1], tools=[SEARCH])
     # Random weights never write a tool call: the answer is text, read by the training parser.
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.choices[0].message.tool_calls is None
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.choices[0].message.content
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in streamed)
 
 
 def test_streaming_gives_the_same_text_as_a_plain_request(trained: Trained):
