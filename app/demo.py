@@ -348,20 +348,22 @@ def call_tool(demo: Demo, call: Any, item: dict[str, Any]) -> str:
 
 def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict[str, Path]) -> dict[str, Any]:
     """Ask the trained model a held-out question through /v1/chat/completions, run its tool calls and
-    send the results back until it answers; print the snippet that does the same."""
+    send the results back until it answers, as training's episodes did (the same tool budget, the
+    same notice once it is spent); print the snippet that asks the same."""
+    from examples.financial_reports.server import TOOL_SCHEMAS  # the job's tools, in OpenAI's format
+    from workers.rl.prompting import budget_spent_message
+
     row = json.loads(paths["held_out"].read_text().splitlines()[0])
     item = {k: v for k, v in row.items() if k not in ("messages", "tools")}
-    from examples.financial_reports.server import TOOL_SCHEMAS  # the job's tools, in OpenAI's format
-
-    messages, tools = list(row["messages"]), row.get("tools") or TOOL_SCHEMAS
-    max_tokens = int(demo.config.x_open_model.get("max_tokens_per_turn", 256))
+    messages, tools, budget = list(row["messages"]), row.get("tools") or TOOL_SCHEMAS, demo.config.max_episode_steps
     tools_file = demo.workdir / "chat-tools.json"
     tools_file.write_text(json.dumps(tools, indent=2))
     print(openai_snippet(demo, model, row["messages"][-1]["content"], tools_file))
     started, turns = time.monotonic(), []
-    for turn in range(demo.config.max_episode_steps + 1):
-        answer = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0,
-                                                max_tokens=max_tokens, tool_choice="auto" if turn < demo.config.max_episode_steps else "none")
+    for turn in range(budget + 1):
+        answer = client.chat.completions.create(
+            model=model, messages=messages, tools=tools, tool_choice="auto" if turn < budget else "none",
+            temperature=0, max_tokens=int(demo.config.x_open_model.get("max_tokens_per_turn", 256)))
         message = answer.choices[0].message
         turns.append({"finish_reason": answer.choices[0].finish_reason, "content": message.content,
                       "tool_calls": [c.model_dump() for c in message.tool_calls or []], "usage": answer.usage.model_dump()})
@@ -371,14 +373,14 @@ def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict
         for call in message.tool_calls:
             print(f"  → {call.function.name}({call.function.arguments})")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": call_tool(demo, call, item)})
+        if turn + 1 == budget:
+            messages.append({"role": "user", "content": budget_spent_message(row["messages"])})
     final = turns[-1]
     print(f"  answer ({final['finish_reason']}): {(final['content'] or '').strip()[:300]!r}")
-    print(f"  expected: {item.get('answer')}; {len(turns)} chat completion(s), "
-          f"{time.monotonic() - started:.1f} s")
-    if not turns or (not final["content"] and not final["tool_calls"]):
+    print(f"  expected: {item.get('answer')}; {len(turns)} chat completion(s), {time.monotonic() - started:.1f} s")
+    if not final["content"] and not final["tool_calls"]:
         raise StageFailed(f"{model} gave an empty answer through /v1/chat/completions")
-    return {"model": model, "question": row["messages"][-1]["content"], "turns": turns,
-            "expected": item.get("answer")}
+    return {"model": model, "question": row["messages"][-1]["content"], "turns": turns, "expected": item.get("answer")}
 
 
 def openai_snippet(demo: Demo, model: str, question: str, tools_file: Path) -> str:

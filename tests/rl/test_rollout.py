@@ -101,7 +101,7 @@ def test_next_turns_after_staggered_tool_calls_share_one_batch(tokenizer):
 
 
 def test_budget_notice_repeats_a_long_question_cut_short():
-    from workers.rl.rollout import QUESTION_ECHO_CHARS, budget_spent_message
+    from workers.rl.prompting import QUESTION_ECHO_CHARS, budget_spent_message
 
     short = budget_spent_message([{"role": "system", "content": "sys"}, {"role": "user", "content": " What was X? "}])
     assert short == "You have used all your tool calls. Answer now, without calling tools. The question: What was X?"

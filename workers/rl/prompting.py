@@ -239,6 +239,25 @@ def feedback_message(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
 
+QUESTION_ECHO_CHARS = 500
+
+
+def budget_spent_message(messages: list[dict[str, Any]]) -> str:
+    """What the policy reads once its tool-call budget is spent: answer now, and the question again.
+
+    Repeating the last user message (cut at QUESTION_ECHO_CHARS) keeps a small model on the task:
+    SmolLM2-135M, told only "answer now" after a search result, mostly answered with noise or a copy
+    of the result; with the question repeated it answered the question (docs/rollouts.md)."""
+    question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
+    text = "You have used all your tool calls. Answer now, without calling tools."
+    if isinstance(question, str) and question.strip():
+        question = question.strip()
+        if len(question) > QUESTION_ECHO_CHARS:
+            question = question[:QUESTION_ECHO_CHARS].rstrip() + "…"
+        text += f" The question: {question}"
+    return text
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers
 
@@ -284,5 +303,6 @@ def _overlap(ids: list[int], turn_end: list[int]) -> int:
 
 
 __all__ = [
-    "ChatFormatter", "ChatTemplateError", "assistant_message", "feedback_message", "tool_result_message",
+    "ChatFormatter", "ChatTemplateError", "assistant_message", "budget_spent_message", "feedback_message",
+    "tool_result_message",
 ]

@@ -17,7 +17,9 @@ from typing import Any
 
 from workers.rl.generation import GenerationOutput, GenerationRequest, generate_batch
 from workers.rl.models import release_freed_memory
-from workers.rl.prompting import ChatFormatter, assistant_message, feedback_message, tool_result_message
+from workers.rl.prompting import (
+    ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
+)
 from workers.rl.toolcalls import ToolSchema
 
 FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error")
@@ -325,25 +327,6 @@ class _Episode:
         self._append(ids, sampled=False)
         self.record.tool_output_tokens += len(ids)
         return True
-
-
-QUESTION_ECHO_CHARS = 500
-
-
-def budget_spent_message(messages: list[dict[str, Any]]) -> str:
-    """What the policy reads once its tool-call budget is spent: answer now, and the question again.
-
-    Repeating the last user message (cut at QUESTION_ECHO_CHARS) keeps a small model on the task:
-    SmolLM2-135M, told only "answer now" after a search result, mostly answered with noise or a copy
-    of the result; with the question repeated it answered the question (docs/rollouts.md)."""
-    question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
-    text = "You have used all your tool calls. Answer now, without calling tools."
-    if isinstance(question, str) and question.strip():
-        question = question.strip()
-        if len(question) > QUESTION_ECHO_CHARS:
-            question = question[:QUESTION_ECHO_CHARS].rstrip() + "…"
-        text += f" The question: {question}"
-    return text
 
 
 def dumps_record(record: RolloutRecord) -> str:
