@@ -250,6 +250,7 @@ def load_model(
         tokenizer = _load_tokenizer(source, location, hub_kwargs)
         model = _load_weights(source, location, hub_kwargs, torch_dtype).to(torch_device)
     model.eval()
+    contiguous_head_input(model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     log.info("loaded %s from %s in %.1f s", source.name, location, time.perf_counter() - started)
@@ -294,6 +295,23 @@ def _load_weights(source: ModelSource, location: str, hub_kwargs: dict[str, Any]
         return AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **hub_kwargs)
     except (OSError, ValueError) as exc:
         raise ModelNotAvailable(f"cannot load the weights of {source.name} from {location}: {exc}") from exc
+
+
+HEAD_HOOK = "_agent_rft_contiguous_input"  # the hook's handle, on the output layer
+
+
+def contiguous_head_input(model: Any) -> None:
+    """Hand the output layer a contiguous input. Sampling asks for the last position's logits only
+    (`logits_to_keep=1`), and transformers passes `hidden[:, -1:, :]`, a strided view; for such a
+    3-D input torch's linear falls back to a batched matmul that expands the [vocab, hidden] weight
+    once per row ([rows, 576, 49152] for SmolLM2: ~0.9 GB in bf16 at 16 rows) on every prefill.
+    A contiguous copy of the input is 16 x 576 values. The same tokens; log-probs bit-identical in
+    bfloat16, equal to float32 rounding (~1e-5) in float32, where the kernels sum in another order
+    (benchmarks/engine, tests/rl/test_contiguous_head.py)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or hasattr(head, HEAD_HOOK):
+        return
+    setattr(head, HEAD_HOOK, head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:])))
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
