@@ -1,10 +1,12 @@
 """Engine benchmark (issue 15), old and new paths interleaved in one run, medians.
 
-Measured so far: sampling with a contiguous input to the output layer (workers/rl/models.py
-`contiguous_head_input`) against the previous path (the hook removed), on the demo's shape: the
-LoRA-wrapped SmolLM2-135M, 16 rows of ~458 prompt tokens, 48 new tokens, in bfloat16 where the CPU
-has native bf16. Prints a table, checks that tokens and log-probs are bit-identical, writes
-benchmarks/results/engine.json.
+Measured so far, on the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16:
+- sampling with a contiguous input to the output layer (workers/rl/models.py
+  `contiguous_head_input`) against the previous path (the hook removed): 16 rows of ~458 prompt
+  tokens, 48 new tokens; tokens and log-probs compared;
+- the update's forward+backward over 16 sequences of a demo step's lengths, micro-batches sorted by
+  length (trainer.micro_batches) against arrival order: padding share and time.
+Prints the tables and writes benchmarks/results/engine.json.
 
     .venv/bin/python -m benchmarks.engine.run [--repeats 5]
 """
@@ -20,8 +22,11 @@ from typing import Any
 
 import torch
 
+import random
+
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import HEAD_HOOK, apply_lora, contiguous_head_input, load_model, native_bf16_cpu
+from workers.rl.trainer import TrainSequence, collate, micro_batches, token_logprobs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,6 +43,51 @@ def timed(fn: Any) -> tuple[float, Any]:
     started = time.perf_counter()
     result = fn()
     return time.perf_counter() - started, result
+
+
+def step_sequences(seed: int = 0, count: int = 16) -> list[TrainSequence]:
+    """Sequences shaped like a demo step's: a ~93-token prompt, then either an answer, or a search
+    call, its ~81-token result and an answer (sampled parts capped at 96 tokens per turn)."""
+    rng = random.Random(seed)
+    sequences = []
+    for _ in range(count):
+        parts = [(rng.randint(85, 100), 0), (rng.randint(10, 96), 1)]
+        if rng.random() < 0.6:
+            parts += [(rng.randint(60, 110), 0), (rng.randint(10, 96), 1)]
+        mask = [flag for length, flag in parts for _ in range(length)]
+        ids = [rng.randrange(100, 40000) for _ in mask]
+        sequences.append(TrainSequence(ids, mask, [-1.0] * len(ids), rng.uniform(-1, 1)))
+    return sequences
+
+
+def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_length: bool) -> dict[str, float]:
+    """Forward and backward over every micro-batch, as the trainer's update does (no optimizer step)."""
+    groups = micro_batches(sequences, 2048, by_length=by_length)
+    padded = sum(len(g) * max(len(s.token_ids) for s in g) for g in groups)
+    real = sum(len(s.token_ids) for s in sequences)
+    started = time.perf_counter()
+    for group in groups:
+        batch = collate(group, pad, torch.device("cpu"))
+        new = token_logprobs(policy, batch, 1.0)
+        (new * batch.loss_mask * batch.advantages).sum().backward()
+    seconds = time.perf_counter() - started
+    policy.zero_grad(set_to_none=True)
+    return {"seconds": seconds, "padding_share": 1 - real / padded, "micro_batches": len(groups)}
+
+
+def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
+    sequences = step_sequences()
+    runs: dict[str, list[dict[str, float]]] = {"arrival order": [], "sorted by length": []}
+    for _ in range(repeats):
+        runs["arrival order"].append(update_round(policy, sequences, pad, by_length=False))
+        runs["sorted by length"].append(update_round(policy, sequences, pad, by_length=True))
+    medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    print("| update, 16 demo-step sequences | micro-batches | padding | forward+backward | vs arrival order |")
+    print("|---|---|---|---|---|")
+    for label, m in medians.items():
+        print(f"| {label} | {m['micro_batches']:.0f} | {m['padding_share']:.0%} | {m['seconds']:.2f} s | "
+              f"{m['seconds'] / medians['arrival order']['seconds']:.2f} |")
+    return {"runs": runs, "medians": medians}
 
 
 def main() -> None:
@@ -70,6 +120,12 @@ def main() -> None:
                 outputs[path] = [(o.token_ids, o.logprobs) for o in out]
                 seconds, _ = timed(lambda: policy(input_ids=prefill_ids, logits_to_keep=1))
                 times[path]["prefill_s"].append(seconds)
+            hidden = torch.randn(ROWS, 440, head.in_features, dtype=head.weight.dtype)
+            for path, view in (("old", hidden[:, -1:, :]), ("new", hidden[:, -1:, :].contiguous())):
+                use("old")  # the layer alone, fed each input as it comes
+                seconds, _ = timed(lambda: head(view))
+                times[path].setdefault("output_layer_s", []).append(seconds)
+    use("new")
     medians = {p: {k: statistics.median(v) for k, v in m.items()} for p, m in times.items()}
     identical = outputs["old"] == outputs["new"]
     out = {"model": MODEL, "dtype": dtype, "rows": ROWS, "new_tokens": NEW_TOKENS, "repeats": args.repeats,
@@ -77,10 +133,12 @@ def main() -> None:
            "ratio_new_over_old": {k: medians["new"][k] / medians["old"][k] for k in medians["new"]},
            "tokens_and_logprobs_identical": identical}
     print("| measure (LoRA SmolLM2, 16 rows) | old | new | new / old |\n|---|---|---|---|")
-    for key, label in (("prefill_s", "prefill of 16 x 440 tokens"), ("generation_s", "generation: prompt + 48 tokens")):
+    for key, label in (("output_layer_s", "output layer on the last positions of 16 x 440"),
+                       ("prefill_s", "prefill of 16 x 440 tokens"), ("generation_s", "generation: prompt + 48 tokens")):
         print(f"| {label} | {medians['old'][key]:.2f} s | {medians['new'][key]:.2f} s | "
               f"{out['ratio_new_over_old'][key]:.2f} |")
-    print(f"tokens and log-probs identical: {identical}")
+    print(f"tokens and log-probs identical: {identical}\n")
+    out["update"] = update_comparison(policy, pad, args.repeats)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS}")

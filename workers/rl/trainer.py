@@ -361,12 +361,15 @@ class UpdateStats:
     clip_fraction: float | None = None
 
 
-def micro_batches(sequences: list[TrainSequence], max_tokens: int) -> list[list[TrainSequence]]:
-    """Consecutive groups whose padded size (rows × longest row) stays within `max_tokens`;
-    a sequence longer than that is a micro-batch of its own."""
+def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool = True) -> list[list[TrainSequence]]:
+    """Groups whose padded size (rows × longest row) stays within `max_tokens`; a sequence longer
+    than that is a micro-batch of its own. Sorted by length first, so rows of a group have similar
+    lengths and little padding (in arrival order, 5-33 % of a demo step's tokens were padding;
+    `by_length=False` keeps that order, the baseline of benchmarks/engine). The loss is a mean over
+    all the step's sequences, so the grouping changes only float rounding, not the update."""
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
-    for sequence in sequences:
+    for sequence in sorted(sequences, key=lambda s: len(s.token_ids)) if by_length else sequences:
         width = max([len(s.token_ids) for s in current] + [len(sequence.token_ids)])
         if current and width * (len(current) + 1) > max_tokens:
             batches.append(current)

@@ -1,0 +1,52 @@
+"""Micro-batches are grouped by length (less padding), and the update's gradient is the same as with
+arrival-order groups: the loss is a mean over all the step's sequences."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from workers.rl.models import apply_lora, load_model
+from workers.rl.trainer import LossSettings, TrainSequence, collate, micro_batch_loss, micro_batches, token_logprobs
+
+
+def sequences(n: int = 12) -> list[TrainSequence]:
+    rng = random.Random(4)
+    out = []
+    for _ in range(n):
+        prompt, sampled = rng.randint(5, 40), rng.randint(3, 40)
+        ids = [rng.randrange(10, 40000) for _ in range(prompt + sampled)]
+        out.append(TrainSequence(ids, [0] * prompt + [1] * sampled, [-2.0] * len(ids), rng.uniform(-1, 1)))
+    return out
+
+
+def padding(groups: list[list[TrainSequence]]) -> int:
+    return sum(len(g) * max(len(s.token_ids) for s in g) - sum(len(s.token_ids) for s in g) for g in groups)
+
+
+def test_groups_by_length_hold_every_sequence_once_with_less_padding():
+    batch = sequences()
+    grouped, arrival = micro_batches(batch, 160), micro_batches(batch, 160, by_length=False)
+    assert sorted(id(s) for g in grouped for s in g) == sorted(id(s) for s in batch)
+    assert all(len(g) * max(len(s.token_ids) for s in g) <= 160 or len(g) == 1 for g in grouped)
+    assert padding(grouped) < padding(arrival)
+
+
+def test_the_gradient_does_not_depend_on_the_grouping():
+    loaded = load_model("tiny-smollm2")
+    policy = apply_lora(loaded, rank=4, alpha=8)
+    settings = LossSettings(loss="grpo", clip_epsilon=0.2, kl_coef=0.0, temperature=1.0, token_budget=128)
+    batch = sequences()
+
+    def gradient(by_length: bool) -> list[torch.Tensor]:
+        policy.zero_grad(set_to_none=True)
+        for group in micro_batches(batch, 160, by_length=by_length):
+            collated = collate(group, 0, torch.device("cpu"))
+            loss, _ = micro_batch_loss(token_logprobs(policy, collated, 1.0), collated, settings, len(batch), None)
+            loss.backward()
+        return [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+
+    for sorted_grad, arrival_grad in zip(gradient(True), gradient(False)):
+        assert torch.allclose(sorted_grad, arrival_grad, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in gradient(True))
