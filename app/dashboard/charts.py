@@ -75,6 +75,10 @@ CHARTS: tuple[Chart, ...] = (
     Chart("step-time", "Time per step", "seconds", (
         Series("phase", prefix="timing.step.", exclude=("timing.step.full_iteration",)),
     ), stacked=True),
+    Chart("step-breakdown", "Where a step's time goes", "seconds", (
+        Series("phase", prefix="timing.breakdown."),
+    ), stacked=True, help="Sampling split into prefill, decode and the time the model waited (tool calls, "
+                          "batching); the update into forward, backward and the optimizer."),
 )
 
 

@@ -177,6 +177,7 @@ def test_chart_data_has_one_point_per_step_and_polls_return_only_new_steps(clien
     assert set(k for k in series if k.startswith("tools.tool_calls_per_rollout_by_tool.")) == {
         "tools.tool_calls_per_rollout_by_tool.search", "tools.tool_calls_per_rollout_by_tool.cat"}
     assert "timing.step.full_iteration" not in series and "timing.step.sampling" in series
+    assert series["timing.breakdown.decode"]["y"] == pytest.approx([0.5] * 4)  # "Where a step's time goes"
     assert "usage.completion_tokens" not in series  # not charted, not sent
     assert data["job"]["step"] == 4 and data["job"]["total_steps"] == 6 and data["job"]["active"]
     assert data["job"]["actions"] == ["pause", "cancel"]

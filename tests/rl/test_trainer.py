@@ -313,6 +313,12 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     assert metrics["usage"]["completion_tokens"] > 0 and metrics["usage"]["prompt_tokens"] > 0
     assert metrics["errors"] == {"tool_failures": 0, "grader_failures": 0, "parse_errors": 0}
     assert set(metrics["timing"]["step"]) >= {"sampling", "training", "eval", "full_iteration"}
+    # Where the step's time went: the parts are all measured and add up to the step.
+    breakdown, step_time = metrics["timing"]["breakdown"], metrics["timing"]["step"]
+    assert set(breakdown) == {"prefill", "decode", "tool_wait_and_other", "grading", "forward", "backward",
+                              "optimizer_and_other", "eval"}
+    assert breakdown["prefill"] > 0 and breakdown["decode"] > 0 and breakdown["forward"] > 0 and breakdown["backward"] > 0
+    assert abs(sum(breakdown.values()) - step_time["full_iteration"]) < 0.05 * step_time["full_iteration"] + 0.05
     assert metrics["tools"]["rollouts"] == 8 and "finish_reasons" in metrics["tools"]
     train_block = metrics["train"]
     assert set(train_block) == {"loss", "kl", "grad_norm", "logprob_mismatch", "clip_fraction", "learning_rate",

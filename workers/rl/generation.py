@@ -8,6 +8,7 @@ forward pass and the same temperature.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,10 +69,12 @@ def _ends_with_stop_string(ids: list[int], stop_strings: tuple[str, ...], decode
 def generate_batch(
     model: torch.nn.Module, requests: list[GenerationRequest], *, pad_token_id: int, temperature: float = 1.0,
     top_p: float = 1.0, decode: Callable[[list[int]], str] | None = None,
-    on_token: Callable[[int, int], None] | None = None,
+    on_token: Callable[[int, int], None] | None = None, timings: dict[str, float] | None = None,
 ) -> list[GenerationOutput]:
     """Generate for every request at once: left-padded contexts, one forward per new token.
-    `on_token(row, token_id)` is called for each sampled token as it is drawn (streaming)."""
+    `on_token(row, token_id)` is called for each sampled token as it is drawn (streaming);
+    `timings` gets the seconds of the prefill (the first forward and its sampling) and of the
+    decode steps added to its "prefill_s" and "decode_s" (the step-time breakdown)."""
     device = next(model.parameters()).device
     width = max(len(r.context_ids) for r in requests)
     ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
@@ -86,7 +89,10 @@ def generate_batch(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     past = None
     step_input, step_positions = ids, positions
-    for _ in range(max(r.max_new_tokens for r in requests)):
+    clock = _PhaseClock(timings, "prefill_s")
+    for index in range(max(r.max_new_tokens for r in requests)):
+        if index == 1:
+            clock.switch("decode_s")  # the first forward is the prompt's; every later one adds a token
         result = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions,
                        cache=past, use_cache=True, logits_to_keep=1)
         past = result.cache
@@ -112,7 +118,22 @@ def generate_batch(
         new_mask = torch.tensor([[1 if a else 0] for a in active], device=device, dtype=torch.long)
         mask = torch.cat([mask, new_mask], dim=-1)
         step_positions = step_positions[:, -1:] + 1
+    clock.switch(None)
     return outputs
+
+
+class _PhaseClock:
+    """Adds the seconds spent in each phase to `timings[phase]`; does nothing without `timings`."""
+
+    def __init__(self, timings: dict[str, float] | None, phase: str) -> None:
+        self.timings, self.phase, self.started = timings, phase, time.perf_counter()
+
+    def switch(self, phase: str | None) -> None:
+        if self.timings is not None and self.phase is not None:
+            now = time.perf_counter()
+            self.timings[self.phase] = self.timings.get(self.phase, 0.0) + now - self.started
+            self.started = now
+        self.phase = phase
 
 
 @torch.inference_mode()

@@ -124,6 +124,7 @@ class _Batcher:
         self.wake = asyncio.Event()
         self.batches: list[int] = []  # sizes, for reporting
         self.generation_s = 0.0  # time spent generating, for reporting
+        self.timings: dict[str, float] = {}  # of that time: prefill_s and decode_s (generate_batch)
         self.live = 0  # rollouts not finished: each is either pending here or busy with tool calls
 
     def started(self) -> None:
@@ -155,6 +156,7 @@ class _Batcher:
                 outputs = await asyncio.to_thread(
                     generate_batch, self.model, [r for r, _ in batch], pad_token_id=self.pad_token_id,
                     temperature=self.config.temperature, top_p=self.config.top_p, decode=self.decode,
+                    timings=self.timings,
                 )
             except Exception as exc:  # noqa: BLE001 - fail the waiting rollouts, not the loop
                 for _, future in batch:
@@ -191,6 +193,7 @@ class RolloutEngine:
         self.stop_strings = tuple(formatter.parser.stop_strings)
         self.batch_sizes: list[int] = []
         self.generation_s = 0.0  # of the last run: time inside the model
+        self.generation_timings: dict[str, float] = {}  # of the last run: prefill_s, decode_s
 
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -201,6 +204,7 @@ class RolloutEngine:
         finally:
             loop_task.cancel()
             self.batch_sizes, self.generation_s = batcher.batches, batcher.generation_s
+            self.generation_timings = dict(batcher.timings)
             release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
 
     async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:

@@ -359,6 +359,24 @@ class UpdateStats:
     # mismatch, larger in bfloat16), and the share of those tokens whose ratio the clip bounds.
     logprob_mismatch: float | None = None
     clip_fraction: float | None = None
+    # Where the update's time went (the step-time breakdown): forward passes (policy and reference,
+    # with the loss), backward passes; the rest of the update (optimizer, collation) is the difference.
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+def step_breakdown(timing: dict[str, float], generation: dict[str, float], update: UpdateStats) -> dict[str, float]:
+    """A step's seconds split where they went; the parts add up to the step. Sampling: prefill (the
+    first forward of each generation batch), decode (every later forward and its sampling), and the
+    rest, the wall time the model sat idle (tool calls, batching waits, tokenizing). The update:
+    forward, backward, and the rest (optimizer step, collation)."""
+    prefill, decode = generation.get("prefill_s", 0.0), generation.get("decode_s", 0.0)
+    return {
+        "prefill": prefill, "decode": decode, "tool_wait_and_other": max(0.0, timing["sampling"] - prefill - decode),
+        "grading": timing["grading"], "forward": update.forward_s, "backward": update.backward_s,
+        "optimizer_and_other": max(0.0, timing["training"] - update.forward_s - update.backward_s),
+        "eval": timing["eval"],
+    }
 
 
 def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool = True) -> list[list[TrainSequence]]:
@@ -600,7 +618,7 @@ class Trainer:
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
-        sampled_at = time.perf_counter()
+        sampled_at, generation = time.perf_counter(), dict(self.engine.generation_timings)
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         graded_at = time.perf_counter()
         self._check_failure_rates(step, graded)
@@ -612,7 +630,9 @@ class Trainer:
         timing = {"sampling": sampled_at - started, "grading": graded_at - sampled_at,
                   "training": trained_at - graded_at, "eval": time.perf_counter() - trained_at,
                   "full_iteration": time.perf_counter() - started}
-        metrics = self._step_metrics(step, graded, stats, len(sequences), zero_spread_groups, len(rows), timing, valid)
+        breakdown = step_breakdown(timing, generation, stats)
+        metrics = self._step_metrics(step, graded, stats, len(sequences), zero_spread_groups, len(rows),
+                                     {"step": timing, "breakdown": breakdown}, valid)
         await self._warn_about_exclusions(step, graded)
         await self.hooks.on_step(step, metrics, [g.report() for g in graded])
         if valid is not None:
@@ -684,12 +704,16 @@ class Trainer:
         device = next(self.model.parameters()).device
         loss_total, kl_sum, kl_tokens, sampled, mismatch, clipped = 0.0, 0.0, 0, 0, 0.0, 0
         epsilon = self.loss_settings.clip_epsilon
+        forward_s = backward_s = 0.0
         for group in micro_batches(sequences, self.config.micro_batch_tokens):
             batch = collate(group, self.pad_token_id, device)
+            started = time.perf_counter()
             reference = self._reference_logprobs(batch)
             new = token_logprobs(self.model, batch, self.loss_settings.temperature)
             loss, kl = micro_batch_loss(new, batch, self.loss_settings, len(sequences), reference)
+            forward_done = time.perf_counter()
             loss.backward()
+            forward_s, backward_s = forward_s + forward_done - started, backward_s + time.perf_counter() - forward_done
             loss_total += loss.item()
             sampled += int(batch.loss_mask.sum())
             delta = (new.detach() - batch.sampling_logprobs)[batch.loss_mask]
@@ -703,7 +727,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         release_freed_memory()  # activations and gradients of this update's shapes
         return UpdateStats(loss_total, kl_sum / kl_tokens if kl_tokens else None, float(grad_norm), sampled,
-                           mismatch / sampled if sampled else None, clipped / sampled if sampled else None)
+                           mismatch / sampled if sampled else None, clipped / sampled if sampled else None,
+                           forward_s, backward_s)
 
     def _reference_logprobs(self, batch: Collated) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
@@ -727,7 +752,7 @@ class Trainer:
                 "records": [g.report() for g in graded]}
 
     def _step_metrics(self, step: int, graded: list[GradedRollout], stats: UpdateStats, n_used: int,
-                      zero_spread_groups: int, n_groups: int, timing: dict[str, float],
+                      zero_spread_groups: int, n_groups: int, timing: dict[str, dict[str, float]],
                       valid: dict[str, Any] | None) -> dict[str, Any]:
         records = [g.record for g in graded]
         scores: dict[str, Any] = {"train_reward_mean": mean_or_none([g.reward for g in graded if g.reward is not None])}
@@ -747,7 +772,7 @@ class Trainer:
             "errors": {"tool_failures": sum(1 for g in graded if g.excluded == "tool_failure"),
                        "grader_failures": sum(1 for g in graded if g.excluded == "grader_failure"),
                        "parse_errors": sum(r.parse_errors for r in records)},
-            "timing": {"step": timing},
+            "timing": timing,
             "tools": summarize(records),
             "train": {"loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm,
                       "logprob_mismatch": stats.logprob_mismatch, "clip_fraction": stats.clip_fraction,
