@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
 import redis
@@ -28,6 +27,7 @@ from app.auth.service import create_project
 from app.core.config import Settings
 from app.core.db import make_engine, make_session_factory
 from app.core.migrations import upgrade
+from app.demo import http_ok
 from app.main import create_app
 from app.models import Base
 
@@ -249,13 +249,6 @@ def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: st
         yield proc, log
 
 
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @contextmanager
 def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str, Any, Path]]:
     """A real `agent-rft inference` server with `settings`' models, pool and checkpoint directory;
@@ -266,5 +259,5 @@ def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str
            "AGENT_RFT_CHECKPOINT_DIR": str(settings.resolved_checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
     url = f"http://127.0.0.1:{port}"
     log = settings.data_dir / f"inference-{uuid.uuid4().hex[:6]}.log"
-    with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: _answers(f"{url}/healthz")) as proc:
+    with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: http_ok(f"{url}/healthz")) as proc:
         yield url, proc, log
