@@ -57,7 +57,6 @@ class Scheduler:
         self.pending: list[Pending] = []
         self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
-        self.batch_sizes: list[int] = []
 
     def submit(self, pending: Pending) -> None:
         self.pending.append(pending)
@@ -112,7 +111,6 @@ class Scheduler:
         rows = self._plan_rows(batch, served, send)
         if not rows:
             return
-        self.batch_sizes.append(len(rows))
 
         def on_token(row: int, token: int) -> None:
             entry = rows[row]

@@ -618,7 +618,7 @@ class Trainer:
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
-        sampled_at, generation = time.perf_counter(), dict(self.engine.generation_timings)
+        sampled_at, generation = time.perf_counter(), self.engine.generation_timings  # eval replaces it
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         graded_at = time.perf_counter()
         self._check_failure_rates(step, graded)
