@@ -3,6 +3,7 @@ pushes, checkpoint retention, the finish call, and the watchdog that re-queues s
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -246,6 +247,29 @@ def test_rollouts_are_stored_once_and_listed_to_their_project_only(api, client, 
 
     stranger = Api(client, make_project(settings)["key"])
     assert stranger.get(url).status_code == 404
+
+
+def test_nul_characters_and_nan_from_a_worker_are_stored_not_refused(api, worker):
+    # A random-weight model decodes token 0 as NUL, and a tool may return one; PostgreSQL's JSONB and
+    # text refuse it (and JSONB refuses NaN): the push must still be stored, never answered with a 5xx.
+    job_id = queued_job(api)
+    worker.claim(job_id)
+    record = {**rollout("t-nul", 0, 0.5), "final_answer": "ab\x00c", "messages": [{"content": "x\x00"}], "x\x00": 1,
+              "score": float("nan")}
+    body = json.dumps({"lease_id": worker.lease_id, "step": 1, "split": "train", "records": [record]})  # NaN as Python writes it
+    stored = worker.client.post(f"/internal/v1/jobs/{job_id}/rollouts", content=body,
+                                headers={**worker.headers, "Content-Type": "application/json"})
+    assert stored.status_code == 200 and stored.json() == {"stored": 1}
+    event = worker.leased("POST", f"/jobs/{job_id}/events", key="k-nul", level="warn",
+                          message="tool said \x00", data={"raw": "\x00"})
+    assert event.status_code == 200
+    step = worker.leased("PUT", f"/jobs/{job_id}/steps/1", metrics={**metrics_data(1, 0.5), "note": "a\x00"})
+    assert step.status_code == 200
+    data = api.get(f"/v1/fine_tuning/jobs/{job_id}/rollouts").json()["data"][0]["data"]
+    assert data["final_answer"] == "ab\ufffdc" and data["messages"] == [{"content": "x\ufffd"}]
+    assert data["x\ufffd"] == 1 and data["score"] is None
+    shown = next(e for e in events(api, job_id) if e["level"] == "warn")
+    assert shown["message"] == "tool said \ufffd" and shown["data"] == {"raw": "\ufffd"}
 
 
 def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Integer, MetaData, create_engine, event
+import math
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Integer, MetaData, Text, create_engine, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Dialect, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.types import TypeDecorator
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -18,8 +22,50 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# JSONB on PostgreSQL (indexable, compact), plain JSON elsewhere.
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+def storable_json(value: Any) -> Any:
+    """What PostgreSQL can store of a JSON value from outside: NaN and infinities are not JSON
+    (JSONB refuses them) and become null; a NUL character (a random-weight model or a tool can
+    produce one; JSONB and text refuse it) becomes U+FFFD, as a decoder does with a bad byte."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k) if isinstance(k, str) else k: storable_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable_json(v) for v in value]
+    return value
+
+
+def storable_text(value: str) -> str:
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
+class StorableJSON(TypeDecorator):
+    """JSONB on PostgreSQL (indexable, compact), plain JSON elsewhere; every value goes through
+    storable_json, so what a worker, tool or grader sends can't fail the insert (and lose a push)."""
+
+    impl = JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect):  # noqa: ANN201
+        return dialect.type_descriptor(JSONB() if dialect.name == "postgresql" else JSON())
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        return storable_json(value)
+
+
+class StorableText(TypeDecorator):
+    """Text for strings that come from outside (event messages, receivers' responses): no NUL."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else storable_text(value)
+
+
+JSONType = StorableJSON()
 # SQLite only autoincrements INTEGER PRIMARY KEY; BIGINT elsewhere.
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 

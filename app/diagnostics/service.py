@@ -12,7 +12,7 @@ from sqlalchemy import func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
-from app.core.db import unix, utcnow
+from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request, conflict, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage, page
@@ -26,7 +26,7 @@ from app.diagnostics.schemas import (
 )
 from app.diagnostics.state import TERMINAL, DiagnosticStatus, transition
 from app.idempotency import service as idempotency
-from app.internal.service import _leased_job, finite_json, lease_is_live, release_lease
+from app.internal.service import _leased_job, lease_is_live, release_lease
 from app.jobs import service as jobs
 from app.jobs.models import Job
 from app.jobs.schemas import JobError, OpenModelOptions
@@ -147,8 +147,8 @@ def refresh_result(session: Session, diagnostic: Diagnostic) -> None:
     ).where(DiagnosticRollout.diagnostic_id == diagnostic.id)).mappings().all()
     if not rows and diagnostic.status != S.SUCCEEDED.value:
         return
-    diagnostic.result = finite_json(summaries.build_result(rows, runs_per_sample=diagnostic.runs_per_sample,
-                                                           load_basis=diagnostic.load_basis))
+    diagnostic.result = summaries.build_result(rows, runs_per_sample=diagnostic.runs_per_sample,
+                                               load_basis=diagnostic.load_basis)
 
 
 # --- the worker side ------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def push_rollouts(*, session: Session, diagnostic_id: str, lease_id: str, record
     if samples_total is not None:
         diagnostic.samples_total = samples_total
     if load_basis is not None:
-        diagnostic.load_basis = finite_json(load_basis)
+        diagnostic.load_basis = load_basis
     known = session.execute(select(DiagnosticRollout.trace_id, DiagnosticRollout.sample_index,
                                    DiagnosticRollout.run_index)
                             .where(DiagnosticRollout.diagnostic_id == diagnostic_id)).all()
@@ -248,8 +248,8 @@ def push_rollouts(*, session: Session, diagnostic_id: str, lease_id: str, record
         runs.add(key)
         new.append({"diagnostic_id": diagnostic_id, "trace_id": record["trace_id"],
                     "sample_index": record["sample_index"], "run_index": record["run_index"],
-                    "reward": finite_json(record.get("reward")), "finish_reason": record.get("finish_reason"),
-                    "tool_calls": _tool_call_count(record), "data": finite_json(record)})
+                    "reward": storable_json(record.get("reward")), "finish_reason": record.get("finish_reason"),
+                    "tool_calls": _tool_call_count(record), "data": record})
     if new:
         session.execute(insert(DiagnosticRollout), new)
     diagnostic.rollouts_done = len(runs)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.auth.models import Project
 from app.core.config import Settings
-from app.core.db import unix, utcnow
+from app.core.db import storable_json, unix, utcnow
 from app.core.errors import APIError, bad_request, conflict, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage
@@ -166,17 +166,6 @@ def file_row(*, session: Session, file_id: str) -> StoredFile:
 
 # --- pushes -------------------------------------------------------------------------------
 
-def finite_json(value: Any) -> Any:
-    """NaN and infinities are not JSON (PostgreSQL's JSONB refuses them): they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [finite_json(v) for v in value]
-    return value
-
-
 def flatten_metrics(data: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """{"scores": {"train_reward_mean": 0.4}} -> {"scores.train_reward_mean": 0.4}; numbers only."""
     flat: dict[str, float] = {}
@@ -204,7 +193,7 @@ def push_step(*, session: Session, job_id: str, step: int, body: StepPush) -> St
         raise bad_request(f"metrics.step is {body.metrics.step} but the URL names step {step}.", param="metrics.step")
     if session.scalar(select(JobStep.seq).where(JobStep.job_id == job_id, JobStep.step == step)) is not None:
         return StepResult(step=step, created=False)
-    data = finite_json({**body.metrics.model_dump(mode="json"), "step": step})
+    data = {**body.metrics.model_dump(mode="json"), "step": step}
     values = {k: v for k, v in flatten_metrics(data).items() if k not in ("step", "total_steps")}
     too_long = next((k for k in values if len(k) > MAX_METRIC_KEY), None)
     if too_long:
@@ -225,7 +214,7 @@ def push_event(*, session: Session, job_id: str, body: EventPush) -> EventResult
                                                                  WorkerEventKey.key == body.key))
     if known is not None:
         return EventResult(id=known, created=False)
-    event = add_event(session, job, body.message, level=body.level, data=finite_json(body.data))
+    event = add_event(session, job, body.message, level=body.level, data=body.data)
     session.add(WorkerEventKey(job_id=job_id, key=body.key, event_id=event.id))
     return EventResult(id=event.id, created=True)
 
@@ -250,8 +239,8 @@ def push_rollouts(*, session: Session, job_id: str, body: RolloutPush) -> Rollou
     if new:
         session.execute(insert(JobRollout), [
             {"job_id": job_id, "step": body.step, "split": body.split, "trace_id": r.trace_id,
-             "sample_index": r.sample_index, "reward": finite_json(r.reward), "finish_reason": r.finish_reason,
-             "tool_calls": _tool_call_count(r.model_dump()), "data": finite_json(r.model_dump(mode="json"))}
+             "sample_index": r.sample_index, "reward": storable_json(r.reward), "finish_reason": r.finish_reason,
+             "tool_calls": _tool_call_count(r.model_dump()), "data": r.model_dump(mode="json")}
             for r in new
         ])
     return RolloutResult(stored=len(new))
@@ -288,7 +277,7 @@ def push_checkpoint(*, session: Session, job_id: str, step: int, body: Checkpoin
     if existing is not None:
         return CheckpointResult(id=existing, created=False, delete_paths=[])
     name = f"{fine_tuned_model_name(job, _project_name(session, job))}:ckpt-step-{step}"
-    metrics = {"step": step, **finite_json(body.metrics)}
+    metrics = {"step": step, **body.metrics}
     checkpoint = jobs.record_checkpoint(session=session, job=job, step_number=step, model_ref=name, metrics=metrics)
     checkpoint.path = body.path
     outbox.record_event(session, project_id=job.project_id, event_type=CHECKPOINT_CREATED, data={
@@ -304,7 +293,7 @@ def record_state(*, session: Session, job_id: str, body: StatePush) -> StateResu
     job.completed_steps = body.completed_steps
     job.resume_state = body.resume_state
     if body.resolved_hyperparameters is not None:
-        job.resolved_hyperparameters = finite_json(body.resolved_hyperparameters)
+        job.resolved_hyperparameters = body.resolved_hyperparameters
     if body.trained_tokens is not None:
         job.trained_tokens = body.trained_tokens
     return StateResult(completed_steps=job.completed_steps)

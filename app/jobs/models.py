@@ -6,7 +6,7 @@ from typing import Any
 from sqlalchemy import BigInteger, DateTime, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from app.core.db import Base, BigIntPK, JSONType, utcnow
+from app.core.db import Base, BigIntPK, JSONType, StorableText, utcnow
 
 
 class Job(Base):
@@ -58,7 +58,7 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     level: Mapped[str] = mapped_column(String(8))
     type: Mapped[str] = mapped_column(String(16), default="message")
-    message: Mapped[str] = mapped_column(Text)
+    message: Mapped[str] = mapped_column(StorableText)
     data: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
 
 

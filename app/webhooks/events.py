@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from app.core.db import storable_json
+
 JOB_SUCCEEDED = "fine_tuning.job.succeeded"
 JOB_FAILED = "fine_tuning.job.failed"
 JOB_CANCELLED = "fine_tuning.job.cancelled"
@@ -27,6 +29,6 @@ EVENT_FOR_STATUS: dict[str, str] = {
 
 def event_body(event_id: str, event_type: str, created_at: int, data: dict[str, Any]) -> str:
     """`{"id": "evt_…", "object": "event", "created_at", "type", "data"}` as compact JSON: the
-    exact bytes that are signed and sent on every attempt."""
-    return json.dumps({"id": event_id, "object": "event", "created_at": created_at, "type": event_type, "data": data},
-                      separators=(",", ":"), ensure_ascii=False)
+    exact bytes that are signed and sent on every attempt (NaN, which is not JSON, becomes null)."""
+    body = {"id": event_id, "object": "event", "created_at": created_at, "type": event_type, "data": storable_json(data)}
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import DateTime, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from app.core.db import Base, BigIntPK, JSONType, utcnow
+from app.core.db import Base, BigIntPK, JSONType, StorableText, utcnow
 
 
 class WebhookEndpoint(Base):
@@ -26,7 +26,7 @@ class WebhookEndpoint(Base):
     previous_secret_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # Set when the endpoint answered 410 Gone, kept failing, or was disabled by its owner.
     disabled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    disabled_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    disabled_reason: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -68,7 +68,7 @@ class WebhookDelivery(Base):
     locked_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -88,7 +88,7 @@ class WebhookAttempt(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     latency_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    response_excerpt: Mapped[str | None] = mapped_column(Text, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    response_excerpt: Mapped[str | None] = mapped_column(StorableText, nullable=True)
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     # in_flight (a worker is trying now), delivered, failed, or lost (its worker died before reporting).
     outcome: Mapped[str] = mapped_column(String(16), default="in_flight")
