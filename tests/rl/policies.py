@@ -25,7 +25,6 @@ class ScriptedPolicy(torch.nn.Module):
         self.header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
         self.vocab = len(tokenizer)
         self.forward_calls = 0
-        self.batch_sizes: list[int] = []
 
     def _turn_target(self, row: list[int]) -> tuple[list[int], int]:
         """The scripted ids of the turn being generated, and how many are already out."""
@@ -36,14 +35,17 @@ class ScriptedPolicy(torch.nn.Module):
         return target, len(row) - starts[-1] - len(self.header)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, **_):  # noqa: ANN001, ANN201
+        # The "keys" of its cache are the token ids themselves, so the engine's cache handling (rows
+        # leaving, rows joining, caches kept across turns) is real: each row's context is read back
+        # from the cache columns its attention mask uses.
+        from transformers import DynamicCache
+
         self.forward_calls += 1
-        if cache is None:  # a new batch: work out each row's turn once
-            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-            self.batch_sizes.append(len(rows))
-            cache = [self._turn_target(row) for row in rows]
-        else:
-            cache = [(target, done + 1) for target, done in cache]
-        logits = torch.full((len(cache), 1, self.vocab), -1e4)
-        for i, (target, done) in enumerate(cache):
+        cache = cache if cache is not None else DynamicCache()
+        as_keys = input_ids.float()[:, None, :, None]
+        keys, _ = cache.update(as_keys, as_keys, 0)
+        logits = torch.full((len(input_ids), 1, self.vocab), -1e4)
+        for i, (row_keys, mask) in enumerate(zip(keys[:, 0, :, 0], attention_mask)):
+            target, done = self._turn_target(row_keys[mask.bool()].long().tolist())
             logits[i, 0, target[done] if done < len(target) else self.tokenizer.eos_token_id] = 1e4
         return SimpleNamespace(logits=logits, cache=cache)

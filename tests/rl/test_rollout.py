@@ -97,7 +97,7 @@ def test_next_turns_after_staggered_tool_calls_share_one_batch(tokenizer):
         records, engine = run(tokenizer, scripts, [spec(i, f"w{ms}") for i, ms in enumerate(delays)], url,
                               config=EngineConfig(batch_wait_s=5.0))
     assert [r.finish_reason for r in records] == ["answered"] * 4 and len(recorder.calls) == 4
-    assert engine.batch_sizes == [4, 4]
+    assert engine.prefill_rows == [4, 4]
 
 
 def test_budget_notice_repeats_a_long_question_cut_short():
@@ -179,7 +179,7 @@ def test_generation_is_batched_while_tools_run_concurrently(tokenizer):
     assert all(r.finish_reason == "answered" for r in records)
     assert len(recorder.calls) == 2 * n
     assert recorder.max_in_flight() == n  # every rollout's call was in flight at once
-    assert max(engine.batch_sizes) == n  # and every rollout's turn shared one generation batch
+    assert engine.largest_batch == n  # and every rollout's turn shared one generation batch
 
 
 def test_sampled_logprobs_match_a_forward_pass_on_a_real_model():
@@ -232,3 +232,39 @@ def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass():
         recomputed = sequence_logprobs(loaded.model, record.token_ids, temperature=0.7)
         worst = max(abs(recomputed[i] - lp) for i, (m, lp) in enumerate(zip(record.loss_mask, record.logprobs)) if m)
         assert worst < 2e-3, worst
+
+
+def test_kept_caches_spare_prefill_tokens_within_their_memory_bound(tokenizer):
+    # Three turns per rollout: with caches kept, turns 2 and 3 prefill only their new tokens; with no
+    # room (0 MB) or too little (the scripted policy caches 8 bytes a token: 5 KB holds about one
+    # rollout's), a turn re-prefills its whole context. The rollouts are the same token
+    # for token either way. (Distinct prompts: identical contexts would be prefilled once anyway.)
+    scripts = {f"m{k}": [call("search", query=f"alpha {k}"), call("cat", path=f"b{k}"), "ok"] for k in range(4)}
+    specs = [spec(k, f"m{k}") for k in range(4)]
+    runs = {}
+    with tool_server() as (url, _):
+        for label, megabytes in (("kept", 512.0), ("none", 0.0), ("tight", 0.005)):
+            runs[label] = run(tokenizer, scripts, specs, url, config=EngineConfig(kv_cache_mb=megabytes))
+    records = {label: [r.token_ids for r in recs] for label, (recs, _) in runs.items()}
+    assert records["kept"] == records["none"] == records["tight"]
+    rollouts = runs["kept"][0]
+    assert all(r.finish_reason == "answered" and r.turns == 3 for r in rollouts)
+    spans = [sampled_spans(r.loss_mask) for r in rollouts]  # (start, end) of each turn's sampled tokens
+    full_contexts = sum(start for turns in spans for start, _ in turns)
+    # With a kept cache a turn feeds what follows the previous turn's last fed token.
+    new_tokens = sum(start - (end - 1) for turns in spans for (_, end), (start, _) in zip(turns, turns[1:]))
+    kept, none, tight = (runs[label][1].prefill_tokens for label in ("kept", "none", "tight"))
+    assert none == full_contexts
+    assert kept == sum(r.prompt_tokens for r in rollouts) + new_tokens
+    assert kept < tight < none
+
+
+def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, flag in enumerate([*mask, 0]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans

@@ -10,9 +10,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+
+
+@dataclass
+class KVPrefix:
+    """A rollout's attention cache for the first `length` tokens of its next context, kept from its
+    last turn (the context and every sampled token but the last, which was never fed): the next
+    turn feeds only what came after (the last sampled token, the tool results, the next prompt)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, length, head_dim]
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
 
 @dataclass
@@ -22,6 +37,8 @@ class GenerationRequest:
     seed: int
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()  # e.g. "</tool_call>": checked on the decoded tail
+    prefix: KVPrefix | None = None  # the cache of context_ids[:prefix.length], if kept
+    keep_cache: bool = False  # hand back the row's cache (GenerationOutput.cache) for its next turn
 
 
 @dataclass
@@ -29,6 +46,7 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"  # "stop" (an end-of-turn token was sampled) or "length"
+    cache: KVPrefix | None = None  # when the request asked for it: context + token_ids[:-1]
 
 
 def _sample_rows(
@@ -42,7 +60,7 @@ def _sample_rows(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logprobs.argmax(dim=-1)
     else:
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        logprobs = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
         probs, order = logprobs.exp(), None
         if top_p < 1.0:
             probs, order = torch.sort(probs, dim=-1, descending=True)
@@ -65,61 +83,254 @@ def _ends_with_stop_string(ids: list[int], stop_strings: tuple[str, ...], decode
     return any(stop in tail for stop in stop_strings)
 
 
+@dataclass
+class _Row:
+    """A request in the running batch: its output so far and its own random stream."""
+
+    key: Any  # the caller's handle, given back with the finished output
+    request: GenerationRequest
+    generator: torch.Generator
+    output: GenerationOutput = field(default_factory=GenerationOutput)
+    next_token: int = 0
+
+
+class DecodeBatch:
+    """The running batch of a continuous-batching generator. `add` prefills new requests and joins
+    them to the batch; `step` samples one token for every row and lets finished rows leave (their
+    cache columns go with them, so the rest decode a smaller batch). Rows of different lengths share
+    one left-aligned cache; a column a row does not use is masked out for it.
+
+    Work is saved three ways: requests with the same context (a group's G rollouts of one prompt)
+    are prefilled once and the cache copied to each; a request that brings its cache from the last
+    turn (`prefix`) prefills only its new tokens; a row leaves the batch as soon as it is done."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                 decode: Callable[[list[int]], str] | None = None, on_token: Callable[[Any, int], None] | None = None,
+                 timings: dict[str, float] | None = None) -> None:
+        self.model, self.pad_token_id, self.temperature, self.top_p, self.decode = (
+            model, pad_token_id, temperature, top_p, decode)
+        self.on_token, self.timings = on_token, timings  # on_token(key, token_id) as each token is drawn
+        self.device = next(model.parameters()).device
+        self.rows: list[_Row] = []
+        self.cache: Any = None  # the model's cache for every row, [rows, heads, width, dim] per layer
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [rows, width]
+        self.positions = torch.zeros((0, 1), dtype=torch.long, device=self.device)  # next position per row
+        self.prefill_tokens = 0  # tokens fed by prefills (what the saving above is measured in)
+        self.prefill_rows: list[int] = []  # requests joined by each prefill
+        self.largest = 0  # most rows decoding at once
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, requests: list[tuple[Any, GenerationRequest]]) -> list[tuple[Any, GenerationOutput]]:
+        """Prefill `(key, request)` pairs, sample their first token and join them to the batch;
+        returns those already finished (a first token that ends the turn)."""
+        if not requests:
+            return []
+        clock = _PhaseClock(self.timings, "prefill_s")
+        unique, expand = _dedupe([request for _, request in requests])
+        ids, mask, positions, cache = self._prefill_inputs(unique)
+        result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                            use_cache=True, logits_to_keep=1)
+        self.prefill_tokens += int(sum(len(r.context_ids) - _cached(r) for r in unique))
+        self.prefill_rows.append(len(requests))
+        cache = result.cache
+        index = torch.tensor(expand, device=self.device)
+        if len(unique) < len(requests):
+            cache.batch_select_indices(index)
+        # The rows keep no prefix: it was copied into the batch's cache, and is freed with the request.
+        rows = [_Row(key, replace(request, prefix=None), torch.Generator().manual_seed(request.seed))
+                for key, request in requests]
+        self._join(rows, cache, mask[index], positions[index, -1:] + 1)
+        self.largest = max(self.largest, len(self.rows))
+        finished = self._sample(result.logits[index, -1, :], first=len(self.rows) - len(rows))
+        clock.switch(None)
+        return finished
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Any, GenerationOutput]]:
+        """Feed every row its last sampled token and sample the next; returns the rows that finished."""
+        clock = _PhaseClock(self.timings, "decode_s")
+        step_input = torch.tensor([[row.next_token] for row in self.rows], device=self.device)
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)], dim=-1)
+        result = self.model(input_ids=step_input, attention_mask=self.mask, position_ids=self.positions,
+                            cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = result.cache
+        self.positions = self.positions + 1
+        finished = self._sample(result.logits[:, -1, :], first=0)
+        clock.switch(None)
+        return finished
+
+    def _prefill_inputs(self, unique: list[GenerationRequest]) -> tuple[torch.Tensor, ...]:
+        """Left-padded new tokens after left-padded cached prefixes: [pad][prefix][pad][new]."""
+        cached = [_cached(r) for r in unique]
+        new = [r.context_ids[c:] for r, c in zip(unique, cached)]
+        width_cached, width_new = max(cached), max(len(n) for n in new)
+        ids = torch.full((len(unique), width_new), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(unique), width_cached + width_new), dtype=torch.long)
+        positions = torch.zeros((len(unique), width_new), dtype=torch.long)
+        for row, (tokens, c) in enumerate(zip(new, cached)):
+            ids[row, width_new - len(tokens):] = torch.tensor(tokens)
+            mask[row, width_cached - c:width_cached] = 1
+            mask[row, width_new + width_cached - len(tokens):] = 1
+            positions[row, width_new - len(tokens):] = torch.arange(c, c + len(tokens))
+        cache = _cache_of_prefixes([r.prefix for r in unique], width_cached, self.model) if width_cached else None
+        return ids.to(self.device), mask.to(self.device), positions.to(self.device), cache
+
+    def _join(self, rows: list[_Row], cache: Any, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions = rows, cache, mask, positions
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        _merge_caches(self.cache, cache, width)
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+        self.positions = torch.cat([self.positions, positions])
+        self.rows = self.rows + rows
+
+    def _sample(self, logits: torch.Tensor, *, first: int) -> list[tuple[Any, GenerationOutput]]:
+        """Sample for rows[first:], whose logits these are, then let finished rows leave."""
+        rows = self.rows[first:]
+        tokens, logprobs = _sample_rows(logits.cpu(), self.temperature, self.top_p, [row.generator for row in rows])
+        done: list[int] = []
+        for position, (row, token, logprob) in enumerate(zip(rows, tokens, logprobs), start=first):
+            out, request = row.output, row.request
+            out.token_ids.append(token)
+            out.logprobs.append(logprob)
+            row.next_token = token
+            if self.on_token is not None:
+                self.on_token(row.key, token)
+            if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, self.decode):
+                out.finish = "stop"
+                done.append(position)
+            elif len(out.token_ids) >= request.max_new_tokens:
+                done.append(position)
+        return self._leave(done)
+
+    def _leave(self, done: list[int]) -> list[tuple[Any, GenerationOutput]]:
+        if not done:
+            return []
+        finished = []
+        for position in done:
+            row = self.rows[position]
+            if row.request.keep_cache:
+                row.output.cache = _row_prefix(self.cache, position, self.mask[position])
+            finished.append((row.key, row.output))
+        leaving = set(done)
+        keep = [i for i in range(len(self.rows)) if i not in leaving]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.mask, self.positions = _drop_empty_columns(self.mask[index], self.cache), self.positions[index]
+        else:
+            self.cache, self.mask = None, self.mask[:0]
+            self.positions = self.positions[:0]
+        self.rows = [self.rows[i] for i in keep]
+        return finished
+
+
+def _cached(request: GenerationRequest) -> int:
+    return request.prefix.length if request.prefix is not None else 0
+
+
+def _dedupe(requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], list[int]]:
+    """The distinct contexts to prefill, and for each request the index of its context among them.
+    Only requests without a cached prefix are shared (a prefix belongs to one rollout)."""
+    unique: list[GenerationRequest] = []
+    seen: dict[tuple[int, ...], int] = {}
+    expand = []
+    for request in requests:
+        key = tuple(request.context_ids) if request.prefix is None else None
+        if key is not None and key in seen:
+            expand.append(seen[key])
+            continue
+        if key is not None:
+            seen[key] = len(unique)
+        expand.append(len(unique))
+        unique.append(request)
+    return unique, expand
+
+
+def _layers(cache: Any) -> list[Any]:
+    return cache.layers  # transformers' DynamicCache: one DynamicLayer (keys, values) per decoder layer
+
+
+def _cache_of_prefixes(prefixes: list[KVPrefix | None], width: int, model: torch.nn.Module) -> Any:
+    """A DynamicCache [rows, heads, width, dim] per layer with each prefix right-aligned in it."""
+    from transformers import DynamicCache, PretrainedConfig
+    from transformers.cache_utils import DynamicLayer
+
+    template = next(p for p in prefixes if p is not None)
+    # With the model's config the cache has the layer kinds the model's own would (sliding windows).
+    config = model.config if isinstance(model.config, PretrainedConfig) else None
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    while len(cache.layers) < len(template.layers):  # layers a wrapper of the model adds (benchmarks)
+        cache.layers.append(DynamicLayer())
+    for layer, (k0, v0) in enumerate(template.layers):
+        keys = k0.new_zeros((len(prefixes), k0.shape[0], width, k0.shape[2]))
+        values = v0.new_zeros((len(prefixes), v0.shape[0], width, v0.shape[2]))
+        for row, prefix in enumerate(prefixes):
+            if prefix is not None:
+                k, v = prefix.layers[layer]
+                keys[row, :, width - prefix.length:] = k
+                values[row, :, width - prefix.length:] = v
+        cache.update(keys, values, layer)
+    return cache
+
+
+def _row_prefix(cache: Any, row: int, mask_row: torch.Tensor) -> KVPrefix:
+    """One row's cache over the columns it uses (copies: the batch's tensors are freed)."""
+    columns = torch.nonzero(mask_row).squeeze(-1)
+    layers = [(layer.keys[row, :, columns].clone(), layer.values[row, :, columns].clone()) for layer in _layers(cache)]
+    return KVPrefix(layers=layers, length=int(columns.numel()))
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _merge_caches(running: Any, joining: Any, width: int) -> None:
+    """Append the joining rows' cache to the running one, both left-padded to `width` columns."""
+    for mine, theirs in zip(_layers(running), _layers(joining)):
+        mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+        mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+
+
+def _drop_empty_columns(mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Cut the leading columns no remaining row uses (left padding of a row that left)."""
+    used = torch.nonzero(mask.any(dim=0))
+    start = int(used[0]) if used.numel() else 0
+    if start == 0:
+        return mask
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+    return mask[:, start:]
+
+
 @torch.inference_mode()
 def generate_batch(
     model: torch.nn.Module, requests: list[GenerationRequest], *, pad_token_id: int, temperature: float = 1.0,
     top_p: float = 1.0, decode: Callable[[list[int]], str] | None = None,
     on_token: Callable[[int, int], None] | None = None, timings: dict[str, float] | None = None,
 ) -> list[GenerationOutput]:
-    """Generate for every request at once: left-padded contexts, one forward per new token.
+    """Generate for every request at once (a DecodeBatch that no one joins later).
     `on_token(row, token_id)` is called for each sampled token as it is drawn (streaming);
     `timings` gets the seconds of the prefill (the first forward and its sampling) and of the
     decode steps added to its "prefill_s" and "decode_s" (the step-time breakdown)."""
-    device = next(model.parameters()).device
-    width = max(len(r.context_ids) for r in requests)
-    ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(requests), width), dtype=torch.long)
-    for row, request in enumerate(requests):
-        ids[row, width - len(request.context_ids):] = torch.tensor(request.context_ids)
-        mask[row, width - len(request.context_ids):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    generators = [torch.Generator().manual_seed(r.seed) for r in requests]
-    outputs = [GenerationOutput() for _ in requests]
-    active = [True] * len(requests)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    past = None
-    step_input, step_positions = ids, positions
-    clock = _PhaseClock(timings, "prefill_s")
-    for index in range(max(r.max_new_tokens for r in requests)):
-        if index == 1:
-            clock.switch("decode_s")  # the first forward is the prompt's; every later one adds a token
-        result = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions,
-                       cache=past, use_cache=True, logits_to_keep=1)
-        past = result.cache
-        rows = [row for row, is_active in enumerate(active) if is_active]
-        tokens, logprobs = _sample_rows(result.logits[rows, -1, :].cpu(), temperature, top_p,
-                                        [generators[row] for row in rows])
-        next_tokens = [pad_token_id] * len(requests)
-        for row, token, logprob in zip(rows, tokens, logprobs):
-            request, out = requests[row], outputs[row]
-            out.token_ids.append(token)
-            out.logprobs.append(logprob)
-            next_tokens[row] = token
-            if on_token is not None:
-                on_token(row, token)
-            if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, decode):
-                out.finish, active[row] = "stop", False
-            elif len(out.token_ids) >= request.max_new_tokens:
-                active[row] = False
-        if not any(active):
-            break
-        step_input = torch.tensor(next_tokens, device=device).unsqueeze(-1)
-        # Finished rows keep a column (the cache is rectangular) but attend to nothing new.
-        new_mask = torch.tensor([[1 if a else 0] for a in active], device=device, dtype=torch.long)
-        mask = torch.cat([mask, new_mask], dim=-1)
-        step_positions = step_positions[:, -1:] + 1
-    clock.switch(None)
-    return outputs
+    batch = DecodeBatch(model, pad_token_id=pad_token_id, temperature=temperature, top_p=top_p, decode=decode,
+                        on_token=on_token, timings=timings)
+    outputs: dict[int, GenerationOutput] = {}
+    for row, output in batch.add(list(enumerate(requests))):
+        outputs[row] = output
+    while batch:
+        for row, output in batch.step():
+            outputs[row] = output
+    return [outputs[row] for row in range(len(requests))]
 
 
 class _PhaseClock:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from workers.rl.generation import GenerationOutput, GenerationRequest, generate_batch
+from workers.rl.generation import DecodeBatch, GenerationOutput, GenerationRequest, KVPrefix
 from workers.rl.models import release_freed_memory
 from workers.rl.prompting import (
     ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
@@ -38,6 +39,9 @@ class EngineConfig:
     # How long a batch waits for rollouts still busy with tool calls before it starts without them.
     # Tool results come back staggered; without a short wait, one slow-ish batch becomes several small ones.
     batch_wait_s: float = 0.25
+    # Memory the rollouts' attention caches may hold between turns (kept, a turn prefills only its
+    # new tokens); over it, a turn re-prefills its whole context. 0: never keep.
+    kv_cache_mb: float = 512.0
 
 
 @dataclass
@@ -116,16 +120,28 @@ class RolloutRecord:
 
 
 class _Batcher:
-    """Collects generation requests from every waiting rollout and runs them as one batch."""
+    """Continuous batching across every rollout of a run: one DecodeBatch on a generation thread;
+    a rollout's request joins it at the next decode step, and its turn comes back the moment it is
+    done (its tool calls start while other rows still decode). Each rollout's attention cache is
+    kept across its tool calls within `kv_cache_mb`; over that, a turn re-prefills its context."""
 
     def __init__(self, model: Any, *, pad_token_id: int, config: EngineConfig, decode: Any) -> None:
         self.model, self.pad_token_id, self.config, self.decode = model, pad_token_id, config, decode
         self.pending: list[tuple[GenerationRequest, asyncio.Future[GenerationOutput]]] = []
+        self.lock = threading.Lock()  # pending is filled in the event loop and taken by the generation thread
         self.wake = asyncio.Event()
-        self.batches: list[int] = []  # sizes, for reporting
-        self.generation_s = 0.0  # time spent generating, for reporting
-        self.timings: dict[str, float] = {}  # of that time: prefill_s and decode_s (generate_batch)
+        self.generation_s = 0.0  # time the generation thread was busy, for reporting
+        self.timings: dict[str, float] = {}  # of that time: prefill_s and decode_s (DecodeBatch)
+        self.prefill_tokens = 0  # tokens fed by prefills
+        self.prefill_rows: list[int] = []  # requests joined by each prefill
+        self.largest_batch = 0  # most rows decoding at once
+        self.kept_bytes = 0  # held by the caches rollouts keep between turns (bounded by kv_cache_mb)
         self.live = 0  # rollouts not finished: each is either pending here or busy with tool calls
+        self.closed = False
+
+    @property
+    def keeps_caches(self) -> bool:
+        return self.config.kv_cache_mb > 0
 
     def started(self) -> None:
         self.live += 1
@@ -134,40 +150,81 @@ class _Batcher:
         self.live -= 1
         self.wake.set()  # the batch may have been waiting for this rollout
 
+    def release(self, cache: KVPrefix | None) -> None:
+        """A kept cache that will not be used again (its rollout ended, or it was handed back)."""
+        if cache is not None:
+            with self.lock:
+                self.kept_bytes -= cache.nbytes
+
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
-        self.pending.append((request, future))
+        with self.lock:
+            self.pending.append((request, future))
         self.wake.set()
         return await future
 
+    def close(self) -> None:
+        """The run is over: the generation thread stops at its next step and `run` returns."""
+        self.closed = True
+        self.wake.set()
+
     async def run(self) -> None:
-        while True:
+        loop = asyncio.get_running_loop()
+        while not self.closed:
             await self.wake.wait()
             self.wake.clear()
             for _ in range(3):  # let rollouts that just got their tool results join this batch
                 await asyncio.sleep(0)
-            await self._gather()
-            batch, self.pending = self.pending[: self.config.max_batch_size], self.pending[self.config.max_batch_size:]
-            if not batch:
+            if not self.pending:
                 continue
-            self.batches.append(len(batch))
+            await self._gather()  # the first prefill of a run takes every rollout (and shares prompts)
             started = time.perf_counter()
             try:
-                outputs = await asyncio.to_thread(
-                    generate_batch, self.model, [r for r, _ in batch], pad_token_id=self.pad_token_id,
-                    temperature=self.config.temperature, top_p=self.config.top_p, decode=self.decode,
-                    timings=self.timings,
-                )
-            except Exception as exc:  # noqa: BLE001 - fail the waiting rollouts, not the loop
-                for _, future in batch:
-                    future.set_exception(exc)
-            else:
-                for (_, future), output in zip(batch, outputs):
-                    future.set_result(output)
+                await asyncio.to_thread(self._generate, loop)
             finally:
                 self.generation_s += time.perf_counter() - started
             if self.pending:
                 self.wake.set()
+
+    def _generate(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until no row is left and nobody waits: join the waiting requests, decode one step, hand back
+        the finished turns (on the generation thread)."""
+        batch = DecodeBatch(self.model, pad_token_id=self.pad_token_id, temperature=self.config.temperature,
+                            top_p=self.config.top_p, decode=self.decode, timings=self.timings)
+        joining: list[tuple[asyncio.Future[GenerationOutput], GenerationRequest]] = []
+        try:
+            while not self.closed:
+                joining = self._take(self.config.max_batch_size - len(batch))
+                if joining:
+                    self._hand_back(loop, batch.add(joining))
+                if not batch:
+                    return
+                self._hand_back(loop, batch.step())
+        except Exception as exc:  # noqa: BLE001 - fail the rollouts waiting on this batch, not the loop
+            for future in [*(row.key for row in batch.rows), *(future for future, _ in joining)]:
+                loop.call_soon_threadsafe(_fail, future, exc)
+        finally:
+            self.prefill_tokens += batch.prefill_tokens
+            self.prefill_rows += batch.prefill_rows
+            self.largest_batch = max(self.largest_batch, batch.largest)
+
+    def _take(self, room: int) -> list[tuple[asyncio.Future[GenerationOutput], GenerationRequest]]:
+        with self.lock:
+            taken, self.pending = self.pending[:max(room, 0)], self.pending[max(room, 0):]
+            for request, _ in taken:
+                if request.prefix is not None:
+                    self.kept_bytes -= request.prefix.nbytes  # copied into the batch's cache
+        return [(future, request) for request, future in taken]
+
+    def _hand_back(self, loop: asyncio.AbstractEventLoop, finished: list[tuple[Any, GenerationOutput]]) -> None:
+        for future, output in finished:
+            if output.cache is not None:
+                with self.lock:
+                    if self.kept_bytes + output.cache.nbytes > self.config.kv_cache_mb * 2**20:
+                        output.cache = None  # over the bound: this rollout's next turn re-prefills
+                    else:
+                        self.kept_bytes += output.cache.nbytes
+            loop.call_soon_threadsafe(_resolve, future, output)
 
     async def _gather(self) -> None:
         """Wait (at most batch_wait_s) until every live rollout is waiting for the model, or a full batch is."""
@@ -183,6 +240,16 @@ class _Batcher:
                 return
 
 
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
 class RolloutEngine:
     def __init__(self, model: Any, tokenizer: Any, formatter: ChatFormatter, tool_client: Any,
                  config: EngineConfig | None = None) -> None:
@@ -191,9 +258,13 @@ class RolloutEngine:
         self.max_context = self.config.max_context_tokens or getattr(model.config, "max_position_embeddings", 8192)
         self.stop_token_ids = frozenset(formatter.stop_token_ids())
         self.stop_strings = tuple(formatter.parser.stop_strings)
-        self.batch_sizes: list[int] = []
-        self.generation_s = 0.0  # of the last run: time inside the model
-        self.generation_timings: dict[str, float] = {}  # of the last run: prefill_s, decode_s
+        # Of the last run: time inside the model, and of it prefill_s and decode_s; tokens fed by
+        # prefills, requests joined by each prefill, most rows decoding at once.
+        self.generation_s = 0.0
+        self.generation_timings: dict[str, float] = {}
+        self.prefill_tokens = 0
+        self.prefill_rows: list[int] = []
+        self.largest_batch = 0
 
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -202,9 +273,11 @@ class RolloutEngine:
         try:
             return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
         finally:
-            loop_task.cancel()
-            self.batch_sizes, self.generation_s = batcher.batches, batcher.generation_s
-            self.generation_timings = dict(batcher.timings)
+            batcher.close()
+            await loop_task  # the generation thread's last step, so the model is free and the counts final
+            self.generation_s, self.generation_timings = batcher.generation_s, dict(batcher.timings)
+            self.prefill_tokens, self.prefill_rows = batcher.prefill_tokens, batcher.prefill_rows
+            self.largest_batch = batcher.largest_batch
             release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
 
     async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
@@ -216,6 +289,7 @@ class RolloutEngine:
         try:
             await state.play()
         finally:
+            batcher.release(state.kv)
             batcher.finished()
             record.wall_time_s = time.perf_counter() - started
         return record
@@ -228,6 +302,7 @@ class _Episode:
         self.engine, self.spec, self.record, self.batcher = engine, spec, record, batcher
         self.cfg = engine.config
         self.fmt = engine.formatter
+        self.kv: KVPrefix | None = None  # this rollout's attention cache from its last turn, if kept
 
     def _append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
         self.record.token_ids += ids
@@ -292,8 +367,11 @@ class _Episode:
                                     max_new_tokens=min(self.cfg.max_tokens_per_turn, budget, room),
                                     seed=self.spec.seed * 1000 + record.turns,
                                     stop_token_ids=self.engine.stop_token_ids,
-                                    stop_strings=self.engine.stop_strings)
+                                    stop_strings=self.engine.stop_strings,
+                                    prefix=self.kv, keep_cache=self.batcher.keeps_caches)
+        self.kv = None  # handed to the batch (the batcher accounts for it)
         output = await self.batcher.generate(request)
+        self.kv, output.cache = output.cache, None
         self._append(output.token_ids, sampled=True, logprobs=output.logprobs)
         record.completion_tokens += len(output.token_ids)
         if output.finish != "stop" and len(record.token_ids) >= self.engine.max_context:

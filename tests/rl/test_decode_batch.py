@@ -1,0 +1,86 @@
+"""The continuous-batching generator (workers/rl/generation.py::DecodeBatch) computes what generating
+each request on its own computes, while feeding fewer tokens: a group's shared prompt is prefilled
+once, a kept cache spares a turn its context, rows leave when done and join mid-run. In float32 the
+tokens are the same and log-probs agree to float32 rounding (another batch shape sums in another
+order); benchmarks/engine measures the speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.rl.generation import DecodeBatch, GenerationRequest, generate_batch
+from workers.rl.models import load_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return load_model("tiny-smollm2", dtype="float32").model.eval()
+
+
+def contexts(n: int) -> list[list[int]]:
+    return [list(range(100 + 3 * i, 140 + 11 * i)) for i in range(n)]
+
+
+def alone(model, request: GenerationRequest, temperature: float):  # noqa: ANN001, ANN201
+    plain = GenerationRequest(request.context_ids, request.max_new_tokens, request.seed)
+    return generate_batch(model, [plain], pad_token_id=0, temperature=temperature)[0]
+
+
+def assert_same(got, want) -> None:  # noqa: ANN001
+    assert got.token_ids == want.token_ids and got.finish == want.finish
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < TOLERANCE
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_shared_prompt_is_prefilled_once_and_every_row_samples_its_own_tokens(model, temperature):
+    shared = contexts(1)[0]
+    requests = [GenerationRequest(shared, max_new_tokens=4 + 3 * k, seed=k) for k in range(4)]
+    requests += [GenerationRequest(c, max_new_tokens=6, seed=9) for c in contexts(3)[1:]]
+    batch = DecodeBatch(model, pad_token_id=0, temperature=temperature)
+    outputs = dict(batch.add(list(enumerate(requests))))
+    sizes = []
+    while batch:
+        sizes.append(len(batch))
+        outputs.update(batch.step())
+    assert batch.prefill_tokens == sum(len(c) for c in contexts(3))  # the shared prompt counted once
+    for row, request in enumerate(requests):
+        assert_same(outputs[row], alone(model, request, temperature))
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < len(requests)  # finished rows left the batch
+    if temperature > 0:  # four seeds on one prompt: not four copies of one sample
+        assert len({tuple(outputs[k].token_ids[:4]) for k in range(4)}) > 1
+
+
+def test_a_kept_cache_gives_the_next_turn_what_a_full_prefill_gives(model):
+    first = [GenerationRequest(c, max_new_tokens=5 + i, seed=i, keep_cache=True) for i, c in enumerate(contexts(3))]
+    turn1 = generate_batch(model, first, pad_token_id=0, temperature=1.0)
+    tool_result = list(range(300, 320))
+    second = []
+    for i, (request, out) in enumerate(zip(first, turn1)):
+        assert out.cache.length == len(request.context_ids) + len(out.token_ids) - 1  # the last token is unfed
+        second.append(GenerationRequest(request.context_ids + out.token_ids + tool_result[:6 + 5 * i], 8, seed=50 + i,
+                                        prefix=out.cache))
+    batch = DecodeBatch(model, pad_token_id=0, temperature=0.0)
+    outputs = dict(batch.add(list(enumerate(second))))
+    while batch:
+        outputs.update(batch.step())
+    assert batch.prefill_tokens == sum(len(r.context_ids) - r.prefix.length for r in second)
+    for row, request in enumerate(second):
+        assert_same(outputs[row], alone(model, request, 0.0))
+
+
+def test_rows_joining_a_running_batch_decode_as_they_would_alone(model):
+    requests = [GenerationRequest(c, max_new_tokens=9, seed=i) for i, c in enumerate(contexts(4))]
+    seen: list[tuple[int, int]] = []
+    batch = DecodeBatch(model, pad_token_id=0, temperature=1.0, on_token=lambda key, token: seen.append((key, token)))
+    outputs = dict(batch.add([(0, requests[0]), (1, requests[1])]))
+    for _ in range(3):
+        outputs.update(batch.step())
+    outputs.update(batch.add([(2, requests[2]), (3, requests[3])]))  # a wider and a narrower context join
+    assert len(batch) == 4
+    while batch:
+        outputs.update(batch.step())
+    for row, request in enumerate(requests):
+        assert_same(outputs[row], alone(model, request, 1.0))
+        assert [token for key, token in seen if key == row] == outputs[row].token_ids  # streamed as drawn
