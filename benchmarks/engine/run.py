@@ -24,6 +24,7 @@ import torch
 
 import random
 
+from benchmarks.engine import baseline_generation as baseline
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import HEAD_HOOK, apply_lora, contiguous_head_input, load_model, native_bf16_cpu
 from workers.rl.trainer import TrainSequence, collate, micro_batches, token_logprobs
@@ -90,6 +91,44 @@ def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
     return {"runs": runs, "medians": medians}
 
 
+def memory_bandwidth_gbs(repeats: int) -> float:
+    """Bytes a 256 MB copy reads and writes per second (median): what bounds decoding at small batch."""
+    source = torch.empty(2**28, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = [timed(lambda: target.copy_(source))[0] for _ in range(max(repeats, 3))]
+    return 2 * source.numel() / statistics.median(times) / 1e9
+
+
+def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
+    """Decode tokens/s at batch 16, 48 new tokens after a 300-token prompt (distinct prompts, so no
+    prefill is shared): the generator before continuous batching (baseline_generation) against
+    DecodeBatch, alternating; and the machine's limit, the weights read once per decode step."""
+    ids = tokenizer.encode(TEXT * 40)
+    batch = [GenerationRequest(context_ids=ids[i: 300 + i], max_new_tokens=NEW_TOKENS, seed=i) for i in range(ROWS)]
+    old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
+    pad = tokenizer.pad_token_id
+    runs: dict[str, list[float]] = {"old": [], "new": []}
+    tokens: dict[str, Any] = {}
+    for _ in range(repeats):
+        for path, generate, requests_ in (("old", baseline.generate_batch, old_batch), ("new", generate_batch, batch)):
+            timings: dict[str, float] = {}
+            out = generate(policy, requests_, pad_token_id=pad, temperature=1.0, timings=timings)
+            runs[path].append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
+            tokens[path] = [(o.token_ids, o.logprobs) for o in out]
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+    bandwidth = memory_bandwidth_gbs(repeats)
+    limit = ROWS * bandwidth * 1e9 / weights
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print("| decode, batch 16, 48 tokens after 300 | tokens/s | vs old | of the bandwidth limit |\n|---|---|---|---|")
+    for path in ("old", "new"):
+        print(f"| {path} | {medians[path]:.0f} | {medians[path] / medians['old']:.2f} | {medians[path] / limit:.0%} |")
+    print(f"limit: {weights / 1e6:.0f} MB of weights per step at {bandwidth:.1f} GB/s (copy, this run) = "
+          f"{limit:.0f} tokens/s at batch 16; tokens and log-probs identical: {tokens['old'] == tokens['new']}\n")
+    return {"runs": runs, "medians": medians, "weights_mb": weights / 1e6, "bandwidth_gbs": bandwidth,
+            "limit_tokens_per_s": limit, "identical": tokens["old"] == tokens["new"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -138,6 +177,7 @@ def main() -> None:
         print(f"| {label} | {medians['old'][key]:.2f} s | {medians['new'][key]:.2f} s | "
               f"{out['ratio_new_over_old'][key]:.2f} |")
     print(f"tokens and log-probs identical: {identical}\n")
+    out["decode"] = decode_comparison(policy, loaded.tokenizer, args.repeats)
     out["update"] = update_comparison(policy, pad, args.repeats)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))

@@ -249,7 +249,7 @@ def test_kept_caches_spare_prefill_tokens_within_their_memory_bound(tokenizer):
     assert records["kept"] == records["none"] == records["tight"]
     rollouts = runs["kept"][0]
     assert all(r.finish_reason == "answered" and r.turns == 3 for r in rollouts)
-    spans = [sampled_spans(r.loss_mask) for r in rollouts]  # (start, end) of each turn's sampled tokens
+    spans = [r.sampled_spans() for r in rollouts]  # (start, end) of each turn's sampled tokens
     full_contexts = sum(start for turns in spans for start, _ in turns)
     # With a kept cache a turn feeds what follows the previous turn's last fed token.
     new_tokens = sum(start - (end - 1) for turns in spans for (_, end), (start, _) in zip(turns, turns[1:]))
@@ -258,13 +258,3 @@ def test_kept_caches_spare_prefill_tokens_within_their_memory_bound(tokenizer):
     assert kept == sum(r.prompt_tokens for r in rollouts) + new_tokens
     assert kept < tight < none
 
-
-def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, flag in enumerate([*mask, 0]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans

@@ -251,6 +251,7 @@ def load_model(
         model = _load_weights(source, location, hub_kwargs, torch_dtype).to(torch_device)
     model.eval()
     contiguous_head_input(model)
+    packed_decode_attention(model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     log.info("loaded %s from %s in %.1f s", source.name, location, time.perf_counter() - started)
@@ -312,6 +313,40 @@ def contiguous_head_input(model: Any) -> None:
     if head is None or hasattr(head, HEAD_HOOK):
         return
     setattr(head, HEAD_HOOK, head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:])))
+
+
+ATTENTION = "agent_rft_sdpa"  # transformers' sdpa, one-token queries packed per KV head (packed_decode_attention)
+
+
+def packed_decode_attention(model: Any) -> None:
+    """Use transformers' sdpa attention, except for one-token queries without a mask (decoding a
+    batch whose rows all use every cache column, or a single row): there transformers asks torch
+    for its grouped-query path (`enable_gqa`), which on a CPU took 3.2 ms per layer at 16 rows x
+    300 tokens against 0.7 ms for the same attention with each KV head's query heads packed as its
+    queries (what transformers itself does when there is a mask). Registered with transformers'
+    AttentionInterface; everything else (prefill, training, masked decoding) is plain sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(ATTENTION, _sdpa_packing_decode_queries)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+
+
+def _sdpa_packing_decode_queries(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is not None or query.shape[2] != 1 or groups == 1 or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads KV head h // groups
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=kwargs.get("scaling"))
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:

@@ -89,6 +89,17 @@ class RolloutRecord:
     def tool_failure(self) -> bool:
         return self.finish_reason == "tool_failure"
 
+    def sampled_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each turn's sampled tokens in token_ids: a turn's context is [0, start)."""
+        spans, start = [], None
+        for i, flag in enumerate([*self.loss_mask, 0]):
+            if flag and start is None:
+                start = i
+            elif not flag and start is not None:
+                spans.append((start, i))
+                start = None
+        return spans
+
     def calls_by_tool(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for call in self.tool_calls:

@@ -619,6 +619,7 @@ class Trainer:
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
         records = await self.engine.run(specs)
         sampled_at, generation = time.perf_counter(), self.engine.generation_timings  # eval replaces it
+        prefill_tokens = self.engine.prefill_tokens
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         graded_at = time.perf_counter()
         self._check_failure_rates(step, graded)
@@ -633,6 +634,7 @@ class Trainer:
         breakdown = step_breakdown(timing, generation, stats)
         metrics = self._step_metrics(step, graded, stats, len(sequences), zero_spread_groups, len(rows),
                                      {"step": timing, "breakdown": breakdown}, valid)
+        metrics["usage"]["prefill_tokens"] = prefill_tokens
         await self._warn_about_exclusions(step, graded)
         await self.hooks.on_step(step, metrics, [g.report() for g in graded])
         if valid is not None:
