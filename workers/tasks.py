@@ -123,6 +123,7 @@ class JobRun:
             train_rows = diagnosed
         config, resolved = resolve_hyperparameters(reinforcement, n_train=len(train_rows), n_valid=len(valid_rows),
                                                    seed=self.job["seed"])
+        config.engine.kv_cache_mb = self.settings.kv_cache_mb  # the worker's memory, not the job's choice
         hooks.resolved = resolved
         await hooks.on_event("info", f"Training {self.job['model']} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})

@@ -99,6 +99,10 @@ class Settings(BaseSettings):
         None,
         description="Checkpoint and training-state storage shared by the workers; default `<data_dir>/checkpoints`.",
     )
+    kv_cache_mb: float = Field(
+        512.0, ge=0,
+        description="Memory (MB) a worker's rollouts may keep in attention caches between their turns (a kept cache spares the next turn its prefill); 0 keeps none.",
+    )
     dashboard_secret: SecretStr | None = Field(
         None,
         description="Key that signs the dashboard's session cookies; unset: derived from AGENT_RFT_WORKER_TOKEN.",
