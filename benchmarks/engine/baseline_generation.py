@@ -1,5 +1,6 @@
 """THE BASELINE of benchmarks/engine, frozen: generate_batch as it was before continuous batching
-(commit 853212f), measured side by side with workers/rl/generation.py. Not used by the product.
+(commit 853212f), measured side by side with workers/rl/generation.py, and the update's forward of
+that commit (`token_logprobs`), against workers/rl/trainer.py. Not used by the product.
 
 Batched sampling with a KV cache, left padding, per-rollout seeds, and the log-prob of every
 sampled token (token-in/token-out: the ids and log-probs are kept exactly as sampled).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -149,3 +151,16 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], *, temperatu
         logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
     return [0.0] + logprobs.cpu().tolist()
+
+
+def token_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
+    """The update's forward as it was before issue 15 (commit 853212f, workers/rl/trainer.py): the
+    vocabulary projection and log-softmax on every position any row of the micro-batch samples at,
+    for every row, and LoRA adapters run in float32 (peft's cast of every activation)."""
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   logits_to_keep=batch.positions, use_cache=False)
+    logits = output.logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = batch.input_ids[:, batch.positions + 1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

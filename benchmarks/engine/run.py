@@ -14,6 +14,8 @@ Prints the tables and writes benchmarks/results/engine.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import statistics
 import time
@@ -26,7 +28,8 @@ import random
 
 from benchmarks.engine import baseline_generation as baseline
 from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import ATTENTION, HEAD_HOOK, apply_lora, contiguous_head_input, load_model, native_bf16_cpu
+from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
+                               load_model, merged_lora_weights, native_bf16_cpu)
 from workers.rl.trainer import TrainSequence, collate, micro_batches, token_logprobs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
@@ -61,7 +64,8 @@ def step_sequences(seed: int = 0, count: int = 16) -> list[TrainSequence]:
     return sequences
 
 
-def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_length: bool) -> dict[str, float]:
+def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_length: bool,
+                 forward: Any = token_logprobs) -> dict[str, float]:
     """Forward and backward over every micro-batch, as the trainer's update does (no optimizer step)."""
     groups = micro_batches(sequences, 2048, by_length=by_length)
     padded = sum(len(g) * max(len(s.token_ids) for s in g) for g in groups)
@@ -69,25 +73,35 @@ def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_le
     started = time.perf_counter()
     for group in groups:
         batch = collate(group, pad, torch.device("cpu"))
-        new = token_logprobs(policy, batch, 1.0)
+        new = forward(policy, batch, 1.0)
         (new * batch.loss_mask * batch.advantages).sum().backward()
     seconds = time.perf_counter() - started
     policy.zero_grad(set_to_none=True)
     return {"seconds": seconds, "padding_share": 1 - real / padded, "micro_batches": len(groups)}
 
 
+UPDATE_PATHS = {  # label: (sorted by length, the update's forward)
+    "old: arrival order, every position's logits, float32 adapters": (False, baseline.token_logprobs),
+    "sorted by length": (True, baseline.token_logprobs),
+    "new: sorted, sampled positions' logits, adapters in bf16": (True, token_logprobs),
+}
+
+
 def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
+    """The update's forward+backward on 16 sequences of a demo step's lengths, with adapters that
+    are not zero (as after a few steps), old and new paths alternating."""
     sequences = step_sequences()
-    runs: dict[str, list[dict[str, float]]] = {"arrival order": [], "sorted by length": []}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in UPDATE_PATHS}
     for _ in range(repeats):
-        runs["arrival order"].append(update_round(policy, sequences, pad, by_length=False))
-        runs["sorted by length"].append(update_round(policy, sequences, pad, by_length=True))
+        for label, (by_length, forward) in UPDATE_PATHS.items():
+            runs[label].append(update_round(policy, sequences, pad, by_length=by_length, forward=forward))
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
-    print("| update, 16 demo-step sequences | micro-batches | padding | forward+backward | vs arrival order |")
+    old = medians[next(iter(UPDATE_PATHS))]["seconds"]
+    print("| update, 16 demo-step sequences | micro-batches | padding | forward+backward | vs old |")
     print("|---|---|---|---|---|")
     for label, m in medians.items():
         print(f"| {label} | {m['micro_batches']:.0f} | {m['padding_share']:.0%} | {m['seconds']:.2f} s | "
-              f"{m['seconds'] / medians['arrival order']['seconds']:.2f} |")
+              f"{m['seconds'] / old:.2f} |")
     return {"runs": runs, "medians": medians}
 
 
@@ -100,37 +114,99 @@ def memory_bandwidth_gbs(repeats: int) -> float:
     return 2 * source.numel() / statistics.median(times) / 1e9
 
 
+DECODE_PATHS = ("old", "new", "new, merged LoRA weights")
+
+
 def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
     """Decode tokens/s at batch 16, 48 new tokens after a 300-token prompt (distinct prompts, so no
     prefill is shared): the generator before continuous batching (baseline_generation) with
     transformers' sdpa attention, against DecodeBatch with the packed decode attention
-    (models.packed_decode_attention), alternating; and the machine's limit, the weights read once
-    per decode step."""
+    (models.packed_decode_attention), unmerged and on merged LoRA weights (models.merged_lora_weights,
+    what the rollout engine samples on), alternating; once with prompts of one length (no mask), once
+    with 285-315 tokens (rows padded, a mask, as in training); and the machine's limit, the weights
+    read once per decode step."""
     ids = tokenizer.encode(TEXT * 40)
-    batch = [GenerationRequest(context_ids=ids[i: 300 + i], max_new_tokens=NEW_TOKENS, seed=i) for i in range(ROWS)]
-    old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
+    shapes = {"300 tokens each": [300] * ROWS, "285-315 tokens": [285 + 2 * i for i in range(ROWS)]}
     pad = tokenizer.pad_token_id
-    runs: dict[str, list[float]] = {"old": [], "new": []}
-    tokens: dict[str, Any] = {}
+    runs: dict[str, dict[str, list[float]]] = {shape: {path: [] for path in DECODE_PATHS} for shape in shapes}
+    identical: dict[str, bool] = {}
     for _ in range(repeats):
-        for path, generate, requests_ in (("old", baseline.generate_batch, old_batch), ("new", generate_batch, batch)):
-            policy.get_base_model().set_attn_implementation("sdpa" if path == "old" else ATTENTION)
-            timings: dict[str, float] = {}
-            out = generate(policy, requests_, pad_token_id=pad, temperature=1.0, timings=timings)
-            runs[path].append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
-            tokens[path] = [(o.token_ids, o.logprobs) for o in out]
+        for shape, lengths in shapes.items():
+            batch = [GenerationRequest(context_ids=ids[i: n + i], max_new_tokens=NEW_TOKENS, seed=i)
+                     for i, n in enumerate(lengths)]
+            tokens = {}
+            for path in DECODE_PATHS:
+                tokens[path] = decode_run(policy, batch, pad, path, runs[shape][path])
+            identical[shape] = tokens["old"] == tokens["new"]
     policy.get_base_model().set_attn_implementation(ATTENTION)
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
     bandwidth = memory_bandwidth_gbs(repeats)
     limit = ROWS * bandwidth * 1e9 / weights
-    medians = {k: statistics.median(v) for k, v in runs.items()}
-    print("| decode, batch 16, 48 tokens after 300 | tokens/s | vs old | of the bandwidth limit |\n|---|---|---|---|")
-    for path in ("old", "new"):
-        print(f"| {path} | {medians[path]:.0f} | {medians[path] / medians['old']:.2f} | {medians[path] / limit:.0%} |")
+    medians = {shape: {path: statistics.median(v) for path, v in r.items()} for shape, r in runs.items()}
+    print("| decode, batch 16, 48 tokens after | path | tokens/s | vs old | of the bandwidth limit |\n|---|---|---|---|---|")
+    for shape, m in medians.items():
+        for path in DECODE_PATHS:
+            print(f"| {shape} | {path} | {m[path]:.0f} | {m[path] / m['old']:.2f} | {m[path] / limit:.0%} |")
     print(f"limit: {weights / 1e6:.0f} MB of weights per step at {bandwidth:.1f} GB/s (copy, this run) = "
-          f"{limit:.0f} tokens/s at batch 16; bf16 tokens identical: {tokens['old'] == tokens['new']} (the packed attention rounds differently)\n")
+          f"{limit:.0f} tokens/s at batch 16; old and new (unmerged) bf16 tokens identical: {identical} (the "
+          "packed attention rounds differently)\n")
     return {"runs": runs, "medians": medians, "weights_mb": weights / 1e6, "bandwidth_gbs": bandwidth,
-            "limit_tokens_per_s": limit, "identical": tokens["old"] == tokens["new"]}
+            "limit_tokens_per_s": limit, "identical_old_new": identical}
+
+
+def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str, rates: list[float]) -> list[Any]:
+    """One generation on `path`; appends its decode tokens/s to `rates`, returns tokens and log-probs."""
+    policy.get_base_model().set_attn_implementation("sdpa" if path == "old" else ATTENTION)
+    timings: dict[str, float] = {}
+    if path == "old":
+        old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
+        out = baseline.generate_batch(policy, old_batch, pad_token_id=pad, temperature=1.0, timings=timings)
+    else:
+        with merged_lora_weights(policy) if "merged" in path else contextlib.nullcontext():
+            out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
+    rates.append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
+    return [(o.token_ids, o.logprobs) for o in out]
+
+
+def as_if_trained(policy: Any, std: float = 0.003) -> Any:
+    """LoRA B matrices drawn from N(0, std), seeded: adapters that change the model (B starts at
+    zero, where merging and the adapter path cost nothing to get right), about their size after a
+    few demo steps at the demo's learning rate."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    return policy
+
+
+def numerics(policy: Any, tokenizer: Any) -> dict[str, float]:
+    """Mean |log p - log p(float32)| of each token of a demo-like text (a report, a tool call, an
+    answer) on the bf16 paths, against a float32 copy of the same weights: adapters unmerged in
+    float32 (peft's default), adapters in bf16 (the update), merged weights (sampling)."""
+    text = TEXT * 3 + '<tool_call>{"name": "search", "arguments": {"query": "ACME revenue 2022"}}</tool_call> $713,837.'
+    ids = torch.tensor([tokenizer.encode(text)])
+
+    def logprobs(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+    truth = logprobs(copy.deepcopy(policy).float())
+    unmerged = logprobs(policy)
+    with adapters_in_model_dtype(policy):
+        in_bf16 = logprobs(policy)
+    with merged_lora_weights(policy):
+        merged = logprobs(policy)
+    out = {"adapters unmerged, float32": float((unmerged - truth).abs().mean()),
+           "adapters in bf16 (update)": float((in_bf16 - truth).abs().mean()),
+           "merged weights (sampling)": float((merged - truth).abs().mean()),
+           "merged vs unmerged": float((merged - unmerged).abs().mean())}
+    print("| bf16 log-probs, LoRA B ~ N(0, 0.003) | mean abs difference to float32 |\n|---|---|")
+    for label, value in out.items():
+        print(f"| {label} | {value:.4f} |")
+    print()
+    return out
 
 
 def main() -> None:
@@ -139,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype = "bfloat16" if native_bf16_cpu() or torch.cuda.is_available() else "float32"
     loaded = load_model(MODEL, dtype=dtype)
-    policy = apply_lora(loaded, rank=16, alpha=32).eval()
+    policy = as_if_trained(apply_lora(loaded, rank=16, alpha=32).eval())
     head = loaded.model.get_output_embeddings()
     batch = requests(loaded.tokenizer)
     prefill_ids = torch.tensor([r.context_ids[:440] for r in batch])
@@ -181,6 +257,7 @@ def main() -> None:
         print(f"| {label} | {medians['old'][key]:.2f} s | {medians['new'][key]:.2f} s | "
               f"{out['ratio_new_over_old'][key]:.2f} |")
     print(f"tokens and log-probs identical: {identical}\n")
+    out["numerics"] = numerics(policy, loaded.tokenizer)
     out["decode"] = decode_comparison(policy, loaded.tokenizer, args.repeats)
     out["update"] = update_comparison(policy, pad, args.repeats)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

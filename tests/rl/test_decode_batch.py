@@ -84,3 +84,34 @@ def test_rows_joining_a_running_batch_decode_as_they_would_alone(model):
     for row, request in enumerate(requests):
         assert_same(outputs[row], alone(model, request, 1.0))
         assert [token for key, token in seen if key == row] == outputs[row].token_ids  # streamed as drawn
+
+
+def test_decoding_rows_of_different_lengths_packs_query_heads_and_matches_plain_sdpa(model, monkeypatch):
+    """models.packed_decode_attention: one-token queries with a padding mask run as one sdpa call
+    per layer on [rows, kv heads, query heads per kv head, dim], never on K and V copied per query
+    head; the tokens and log-probs are plain sdpa's."""
+    import torch
+
+    from workers.rl.models import ATTENTION
+
+    requests = [GenerationRequest(c, max_new_tokens=5, seed=i) for i, c in enumerate(contexts(4))]
+    assert model.config._attn_implementation == ATTENTION  # load_model installs it
+    calls: list[tuple[tuple[int, ...], bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        calls.append((tuple(query.shape), attn_mask is not None))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    packed = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    decoding = [(shape, masked) for shape, masked in calls if shape[2] != max(len(c) for c in contexts(4))]
+    assert decoding and all(shape[1:3] == (kv_heads, heads // kv_heads) and masked for shape, masked in decoding)
+    model.set_attn_implementation("sdpa")
+    try:
+        plain = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    finally:
+        model.set_attn_implementation(ATTENTION)
+    for got, want in zip(packed, plain):
+        assert_same(got, want)

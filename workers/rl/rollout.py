@@ -13,11 +13,12 @@ import random
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workers.rl.generation import DecodeBatch, GenerationOutput, GenerationRequest, KVPrefix
-from workers.rl.models import release_freed_memory
+from workers.rl.models import release_freed_memory, sampling_weights
 from workers.rl.prompting import (
     ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
 )
@@ -42,6 +43,11 @@ class EngineConfig:
     # Memory the rollouts' attention caches may hold between turns (kept, a turn prefills only its
     # new tokens); over it, a turn re-prefills its whole context. 0: never keep.
     kv_cache_mb: float = 512.0
+    # Sample on weights prepared for the run (models.sampling_weights): LoRA merged, one matmul per
+    # layer instead of two paths with float32 casts; bf16 linear layers packed for oneDNN on a CPU.
+    # The trainer recomputes its log-probs unmerged, so the PPO ratio is against the policy it
+    # trains; the rounding of the merge shows in train.logprob_mismatch.
+    sampling_weights: bool = True
 
 
 @dataclass
@@ -280,16 +286,20 @@ class RolloutEngine:
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batcher = _Batcher(self.model, pad_token_id=pad, config=self.config, decode=self.formatter.decode)
-        loop_task = asyncio.create_task(batcher.run())
-        try:
-            return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
-        finally:
-            batcher.close()
-            await loop_task  # the generation thread's last step, so the model is free and the counts final
-            self.generation_s, self.generation_timings = batcher.generation_s, dict(batcher.timings)
-            self.prefill_tokens, self.prefill_rows = batcher.prefill_tokens, batcher.prefill_rows
-            self.largest_batch = batcher.largest_batch
-            release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
+        with sampling_weights(self.model) if self.config.sampling_weights else nullcontext():
+            loop_task = asyncio.create_task(batcher.run())
+            try:
+                return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
+            finally:
+                batcher.close()
+                await loop_task  # the generation thread's last step, so the model is free and the counts final
+                self._keep_counts(batcher)
+
+    def _keep_counts(self, batcher: _Batcher) -> None:
+        self.generation_s, self.generation_timings = batcher.generation_s, dict(batcher.timings)
+        self.prefill_tokens, self.prefill_rows = batcher.prefill_tokens, batcher.prefill_rows
+        self.largest_batch = batcher.largest_batch
+        release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
 
     async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
         started = time.perf_counter()

@@ -47,7 +47,7 @@ from workers.rl.advantages import (
     k3_kl,
     sequence_normaliser,
 )
-from workers.rl.models import LoadedModel, release_freed_memory, save_model_dir, training_mode
+from workers.rl.models import LoadedModel, adapters_in_model_dtype, release_freed_memory, save_model_dir, training_mode
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutRecord, RolloutSpec
 from workers.rl.summary import summarize
@@ -432,15 +432,24 @@ def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.dev
 
 
 def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
-    """Log-probs [B, P] of the token at each position+1, at the sampling temperature (as
-    generation.sequence_logprobs computes them), over the full vocabulary."""
-    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   logits_to_keep=batch.positions, use_cache=False)
-    logits = output.logits.float()
+    """Log-probs [B, P] of the token at each position+1 where the loss mask is set (0 elsewhere),
+    at the sampling temperature (as generation.sequence_logprobs computes them), over the full
+    vocabulary. The vocabulary projection and its log-softmax, the largest tensors of the update,
+    run only on the hidden states of the sampled tokens' positions: a row's prompt and tool-output
+    positions, and the positions only other rows of the micro-batch sample at, are skipped."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the wrapped model
+    rows, columns = batch.loss_mask.nonzero(as_tuple=True)
+    positions = batch.positions[columns]
+    with adapters_in_model_dtype(model):
+        hidden = causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                         use_cache=False).last_hidden_state
+        logits = causal_lm.get_output_embeddings()(hidden[rows, positions]).float()
     if temperature > 0:
         logits = logits / temperature
-    targets = batch.input_ids[:, batch.positions + 1]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    targets = batch.input_ids[rows, positions + 1]
+    sampled = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(batch.loss_mask.shape, dtype=sampled.dtype, device=sampled.device).index_put((rows, columns),
+                                                                                                     sampled)
 
 
 def micro_batch_loss(new_logprobs: torch.Tensor, batch: Collated, settings: LossSettings, n_sequences: int,

@@ -1,0 +1,122 @@
+"""The weights the engine samples on (models.sampling_weights, EngineConfig.sampling_weights).
+Merged LoRA: inside the block the adapted model runs without its adapter path and computes what it
+computed unmerged (to float32 rounding). Packed bf16 linear layers: bit-identical tokens and
+log-probs. Afterwards the original weight tensors and forwards are back, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from tests.rl.tool_server import tool_server
+from workers.rl.generation import GenerationRequest, generate_batch
+from workers.rl.models import apply_lora, load_model, merged_lora_weights, packed_linear_weights
+from workers.rl.prompting import ChatFormatter
+from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.rl.toolcalls import ToolSchema
+from workers.rl.tools_client import ToolClient
+
+SEARCH = ToolSchema("search", "Search", {"type": "object", "properties": {"query": {"type": "string"}}})
+
+
+def trained_policy(dtype: str = "float32"):  # noqa: ANN201
+    """tiny-smollm2 with LoRA adapters whose B is not zero (as after some training)."""
+    loaded = load_model("tiny-smollm2", dtype=dtype)
+    policy = apply_lora(loaded, rank=4, alpha=8).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return loaded, policy
+
+
+def adapter_calls(policy) -> list[int]:  # noqa: ANN001
+    """A counter of forward calls into the adapters' A matrices (the unmerged path)."""
+    calls = [0]
+    for name, module in policy.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def base_weights(policy) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {name: p.data for name, p in policy.named_parameters() if name.endswith("base_layer.weight")}
+
+
+def test_merged_weights_compute_the_adapted_model_and_are_put_back():
+    loaded, policy = trained_policy()
+    ids = torch.tensor([list(range(100, 140))])
+    calls = adapter_calls(policy)
+    originals = {name: (w.data_ptr(), w.clone()) for name, w in base_weights(policy).items()}
+    with torch.no_grad():
+        with policy.disable_adapter():
+            base = policy(input_ids=ids).logits
+        adapted = policy(input_ids=ids).logits
+        unmerged_calls = calls[0]
+        with merged_lora_weights(loaded.model) as merged:
+            inside = policy(input_ids=ids).logits
+        after = policy(input_ids=ids).logits
+    layers = loaded.model.config.num_hidden_layers
+    assert merged == 4 * layers  # q, k, v and o projections of every layer
+    assert unmerged_calls == 4 * layers and calls[0] == 2 * unmerged_calls  # none inside the block
+    assert (adapted - base).abs().max() > 1e-2  # the adapters change the model...
+    assert (inside - adapted).abs().max() < 1e-4  # ...and the merged weights carry that change
+    assert torch.equal(after, adapted)
+    for name, weight in base_weights(policy).items():
+        pointer, values = originals[name]
+        assert weight.data_ptr() == pointer and torch.equal(weight, values)
+    with policy.disable_adapter(), merged_lora_weights(loaded.model) as merged:
+        assert merged == 0  # the base model is what runs: nothing to merge
+
+
+def test_the_engine_samples_on_merged_weights_with_the_unmerged_models_tokens():
+    loaded, policy = trained_policy()
+    calls = adapter_calls(policy)
+    originals = {name: w.clone() for name, w in base_weights(policy).items()}
+    specs = [RolloutSpec(i, [{"role": "user", "content": "revenue " * (2 * i + 1)}], [SEARCH], {}, seed=i)
+             for i in range(4)]
+
+    def sample(merge: bool) -> tuple[list, int]:
+        calls[0] = 0
+        config = EngineConfig(max_tokens_per_turn=12, max_tokens_per_rollout=12, sampling_weights=merge)
+
+        async def go():  # noqa: ANN202
+            async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+                engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client, config)
+                return await engine.run(specs)
+
+        return asyncio.run(go()), calls[0]
+
+    with tool_server() as (url, _):
+        merged, merged_calls = sample(True)
+        unmerged, unmerged_calls = sample(False)
+    assert merged_calls == 0 and unmerged_calls > 0
+    assert [r.token_ids for r in merged] == [r.token_ids for r in unmerged]
+    for a, b in zip(merged, unmerged):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert all(torch.equal(w, originals[name]) for name, w in base_weights(policy).items())
+
+
+def test_packed_bf16_linear_layers_sample_the_same_tokens_and_logprobs():
+    import pytest
+
+    loaded, policy = trained_policy("bfloat16")
+    requests = [GenerationRequest(list(range(100 + i, 140 + 9 * i)), max_new_tokens=8, seed=i) for i in range(4)]
+
+    def sample():  # noqa: ANN202
+        return [(o.token_ids, o.logprobs) for o in generate_batch(policy, requests, pad_token_id=0, temperature=1.0)]
+
+    plain = sample()
+    with merged_lora_weights(loaded.model), packed_linear_weights(loaded.model) as packed:
+        if not packed:
+            pytest.skip("no oneDNN bf16 on this CPU: nothing is packed")
+        inside = sample()
+    with merged_lora_weights(loaded.model):
+        merged_only = sample()
+    layers = loaded.model.config.num_hidden_layers
+    assert packed == 7 * layers + 1  # q, k, v, o, gate, up, down of every layer, and the output layer
+    assert inside == merged_only  # packing changes nothing, bit for bit
+    assert sample() == plain  # and everything is put back
+    assert not any("forward" in m.__dict__ for m in loaded.model.modules())
