@@ -29,7 +29,8 @@ import random
 from benchmarks.engine import baseline_generation as baseline
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
-                               load_model, merged_lora_weights, native_bf16_cpu)
+                               load_model, merged_lora_weights, native_bf16_cpu,
+                               sampling_weights)
 from workers.rl.trainer import TrainSequence, collate, micro_batches, token_logprobs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
@@ -114,15 +115,15 @@ def memory_bandwidth_gbs(repeats: int) -> float:
     return 2 * source.numel() / statistics.median(times) / 1e9
 
 
-DECODE_PATHS = ("old", "new", "new, merged LoRA weights")
+DECODE_PATHS = ("old", "new", "new, sampling weights")
 
 
 def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
     """Decode tokens/s at batch 16, 48 new tokens after a 300-token prompt (distinct prompts, so no
     prefill is shared): the generator before continuous batching (baseline_generation) with
     transformers' sdpa attention, against DecodeBatch with the packed decode attention
-    (models.packed_decode_attention), unmerged and on merged LoRA weights (models.merged_lora_weights,
-    what the rollout engine samples on), alternating; once with prompts of one length (no mask), once
+    (models.packed_decode_attention), on the model as it is and on the weights the rollout engine
+    samples on (models.sampling_weights: LoRA merged, linear layers packed for oneDNN), alternating; once with prompts of one length (no mask), once
     with 285-315 tokens (rows padded, a mask, as in training); and the machine's limit, the weights
     read once per decode step."""
     ids = tokenizer.encode(TEXT * 40)
@@ -162,7 +163,7 @@ def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str,
         old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
         out = baseline.generate_batch(policy, old_batch, pad_token_id=pad, temperature=1.0, timings=timings)
     else:
-        with merged_lora_weights(policy) if "merged" in path else contextlib.nullcontext():
+        with sampling_weights(policy) if "sampling weights" in path else contextlib.nullcontext():
             out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
     rates.append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
     return [(o.token_ids, o.logprobs) for o in out]
