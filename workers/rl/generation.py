@@ -292,6 +292,35 @@ class _AppendLayer(DynamicLayer):
             self._lengths[name] = end
         return self.keys, self.values
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep these rows (rows leaving the batch, a shared prefill copied to its rows): one copy
+        that keeps the spare room (transformers' version copies the filled part, and the next
+        step's append copied the whole cache again to grow)."""
+        for name in ("keys", "values"):
+            buffer = self._buffers[name]
+            if buffer is not None and buffer.dim() == 4:
+                self._buffers[name] = buffer[indices]
+
+    def drop_leading_columns(self, start: int) -> None:
+        """Forget the first `start` columns: a view of the same buffers, nothing copied."""
+        for name in ("keys", "values"):
+            buffer = self._buffers[name]
+            if buffer is not None and buffer.dim() == 4:
+                self._buffers[name] = buffer[:, :, start:]
+                self._lengths[name] -= start
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+        """Add joining rows, this layer's rows and theirs right-aligned in `width` columns (zeros
+        in the padding), written once into new buffers with spare room."""
+        for name, theirs in (("keys", keys), ("values", values)):
+            mine = self._filled(name)
+            buffer = mine.new_empty((mine.shape[0] + theirs.shape[0], mine.shape[1], width + max(128, width // 4),
+                                     mine.shape[-1]))
+            for rows, part in ((slice(0, mine.shape[0]), mine), (slice(mine.shape[0], None), theirs)):
+                buffer[rows, :, :width - part.shape[-2]] = 0
+                buffer[rows, :, width - part.shape[-2]:width] = part
+            self._buffers[name], self._lengths[name] = buffer, width
+
     def _grow(self, name: str, states: torch.Tensor, needed: int) -> torch.Tensor:
         """A new buffer with room for `needed` tokens and a quarter more (at least 128)."""
         filled, length = self._filled(name), self._lengths[name]
@@ -353,6 +382,9 @@ def _left_pad(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
 def _merge_caches(running: Any, joining: Any, width: int) -> None:
     """Append the joining rows' cache to the running one, both left-padded to `width` columns."""
     for mine, theirs in zip(_layers(running), _layers(joining)):
+        if isinstance(mine, _AppendLayer):
+            mine.append_rows(theirs.keys, theirs.values, width)
+            continue
         mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
         mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
 
@@ -364,7 +396,10 @@ def _drop_empty_columns(mask: torch.Tensor, cache: Any) -> torch.Tensor:
     if start == 0:
         return mask
     for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+        if isinstance(layer, _AppendLayer):
+            layer.drop_leading_columns(start)
+        else:
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
     return mask[:, start:]
 
 
