@@ -1,11 +1,14 @@
 """Engine benchmark (issue 15), old and new paths interleaved in one run, medians.
 
-Measured so far, on the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16:
+On the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16, LoRA B not zero:
 - sampling with a contiguous input to the output layer (workers/rl/models.py
   `contiguous_head_input`) against the previous path (the hook removed): 16 rows of ~458 prompt
   tokens, 48 new tokens; tokens and log-probs compared;
-- the update's forward+backward over 16 sequences of a demo step's lengths, micro-batches sorted by
-  length (trainer.micro_batches) against arrival order: padding share and time.
+- bf16 log-probs of each path against a float32 copy of the model (what merging does);
+- decode tokens/s: the generator before continuous batching against DecodeBatch, on the model and
+  on the weights the engine samples on, against the bandwidth limit;
+- the update's forward+backward over 16 sequences shaped like a demo step's (4 prompts x 4
+  rollouts): the old forward in arrival order, sorted by length, the new forward, and shared prompts.
 Prints the tables and writes benchmarks/results/engine.json.
 
     .venv/bin/python -m benchmarks.engine.run [--repeats 5]
@@ -50,58 +53,62 @@ def timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def step_sequences(seed: int = 0, count: int = 16) -> list[TrainSequence]:
-    """Sequences shaped like a demo step's: a ~93-token prompt, then either an answer, or a search
-    call, its ~81-token result and an answer (sampled parts capped at 96 tokens per turn)."""
+def step_sequences(seed: int = 0, prompts: int = 4, group: int = 4) -> list[TrainSequence]:
+    """Sequences shaped like a demo step's: 4 prompts x 4 rollouts, each prompt ~372 tokens (the
+    demo's system message with its worked example, and the question), then either an answer, or a
+    search call, its ~81-token result and an answer (sampled parts capped at 96 tokens per turn)."""
     rng = random.Random(seed)
     sequences = []
-    for _ in range(count):
-        parts = [(rng.randint(85, 100), 0), (rng.randint(10, 96), 1)]
-        if rng.random() < 0.6:
-            parts += [(rng.randint(60, 110), 0), (rng.randint(10, 96), 1)]
-        mask = [flag for length, flag in parts for _ in range(length)]
-        ids = [rng.randrange(100, 40000) for _ in mask]
-        sequences.append(TrainSequence(ids, mask, [-1.0] * len(ids), rng.uniform(-1, 1)))
+    for _ in range(prompts):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(360, 385))]
+        for _ in range(group):
+            parts = [(rng.randint(10, 96), 1)]
+            if rng.random() < 0.6:
+                parts += [(rng.randint(60, 110), 0), (rng.randint(10, 96), 1)]
+            mask = [0] * len(prompt) + [flag for length, flag in parts for _ in range(length)]
+            ids = prompt + [rng.randrange(100, 40000) for _ in range(len(mask) - len(prompt))]
+            sequences.append(TrainSequence(ids, mask, [-1.0] * len(ids), rng.uniform(-1, 1)))
     return sequences
 
 
-def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_length: bool,
-                 forward: Any = token_logprobs) -> dict[str, float]:
+def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_length: bool, shared: bool,
+                 forward: Any) -> dict[str, float]:
     """Forward and backward over every micro-batch, as the trainer's update does (no optimizer step)."""
-    groups = micro_batches(sequences, 2048, by_length=by_length)
-    padded = sum(len(g) * max(len(s.token_ids) for s in g) for g in groups)
+    groups = micro_batches(sequences, 2048, by_length=by_length, by_prompt=shared)
+    batches = [collate(group, pad, torch.device("cpu"), share_prefix=shared) for group in groups]
+    fed = sum(b.input_ids.numel() + (b.prefix_ids.numel() if b.prefix_ids is not None else 0) for b in batches)
     real = sum(len(s.token_ids) for s in sequences)
     started = time.perf_counter()
-    for group in groups:
-        batch = collate(group, pad, torch.device("cpu"))
+    for batch in batches:
         new = forward(policy, batch, 1.0)
         (new * batch.loss_mask * batch.advantages).sum().backward()
     seconds = time.perf_counter() - started
     policy.zero_grad(set_to_none=True)
-    return {"seconds": seconds, "padding_share": 1 - real / padded, "micro_batches": len(groups)}
+    return {"seconds": seconds, "tokens_fed": fed, "of_real_tokens": fed / real, "micro_batches": len(groups)}
 
 
-UPDATE_PATHS = {  # label: (sorted by length, the update's forward)
-    "old: arrival order, every position's logits, float32 adapters": (False, baseline.token_logprobs),
-    "sorted by length": (True, baseline.token_logprobs),
-    "new: sorted, sampled positions' logits, adapters in bf16": (True, token_logprobs),
+UPDATE_PATHS = {  # label: (sorted by length, shared prompts, the update's forward)
+    "old: arrival order, every position's logits, float32 adapters": (False, False, baseline.token_logprobs),
+    "sorted by length": (True, False, baseline.token_logprobs),
+    "sorted, sampled positions' logits, adapters in bf16": (True, False, token_logprobs),
+    "new: that, and a prompt's rollouts share its forward": (True, True, token_logprobs),
 }
 
 
 def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
-    """The update's forward+backward on 16 sequences of a demo step's lengths, with adapters that
+    """The update's forward+backward on 16 sequences shaped like a demo step's, with adapters that
     are not zero (as after a few steps), old and new paths alternating."""
     sequences = step_sequences()
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in UPDATE_PATHS}
     for _ in range(repeats):
-        for label, (by_length, forward) in UPDATE_PATHS.items():
-            runs[label].append(update_round(policy, sequences, pad, by_length=by_length, forward=forward))
+        for label, (by_length, shared, forward) in UPDATE_PATHS.items():
+            runs[label].append(update_round(policy, sequences, pad, by_length=by_length, shared=shared, forward=forward))
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     old = medians[next(iter(UPDATE_PATHS))]["seconds"]
-    print("| update, 16 demo-step sequences | micro-batches | padding | forward+backward | vs old |")
+    print("| update, 16 demo-step sequences | micro-batches | tokens fed / tokens | forward+backward | vs old |")
     print("|---|---|---|---|---|")
     for label, m in medians.items():
-        print(f"| {label} | {m['micro_batches']:.0f} | {m['padding_share']:.0%} | {m['seconds']:.2f} s | "
+        print(f"| {label} | {m['micro_batches']:.0f} | {m['of_real_tokens']:.2f} | {m['seconds']:.2f} s | "
               f"{m['seconds'] / old:.2f} |")
     return {"runs": runs, "medians": medians}
 

@@ -50,3 +50,55 @@ def test_the_gradient_does_not_depend_on_the_grouping():
     for sorted_grad, arrival_grad in zip(gradient(True), gradient(False)):
         assert torch.allclose(sorted_grad, arrival_grad, rtol=1e-4, atol=1e-7)
     assert any(g.abs().sum() > 0 for g in gradient(True))
+
+
+def grouped_sequences(prompts: int = 3, group: int = 4) -> list[TrainSequence]:
+    """Rollouts as a step makes them: `group` per prompt, each the prompt's tokens then its own
+    (sampled tokens, a tool result, more sampled tokens)."""
+    rng = random.Random(7)
+    out = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(10, 40000) for _ in range(rng.randint(20, 40))]
+        for _ in range(group):
+            parts = [(rng.randint(3, 20), 1), (rng.randint(0, 15), 0), (rng.randint(0, 10), 1)]
+            mask = [0] * len(prompt) + [flag for n, flag in parts for _ in range(n)]
+            ids = prompt + [rng.randrange(10, 40000) for _ in range(len(mask) - len(prompt))]
+            out.append(TrainSequence(ids, mask, [-2.0] * len(ids), rng.uniform(-1, 1)))
+    rng.shuffle(out)
+    return out
+
+
+def test_a_prompts_rollouts_share_one_micro_batch_and_feed_their_prompt_once():
+    loaded = load_model("tiny-smollm2")
+    policy = apply_lora(loaded, rank=4, alpha=8)
+    settings = LossSettings(loss="grpo", clip_epsilon=0.2, kl_coef=0.0, temperature=1.0, token_budget=128)
+    batch = grouped_sequences()
+    fed: list[int] = []
+    counter = loaded.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].numel()))
+
+    def gradient(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy.zero_grad(set_to_none=True)
+        fed.clear()
+        total = torch.zeros(())
+        for group in micro_batches(batch, 400, by_prompt=shared):
+            collated = collate(group, 0, torch.device("cpu"), share_prefix=shared)
+            loss, _ = micro_batch_loss(token_logprobs(policy, collated, 1.0), collated, settings, len(batch), None)
+            loss.backward()
+            total = total + loss.detach()
+        return total, [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+
+    shared_loss, shared_grad = gradient(True)
+    shared_fed = sum(fed)
+    plain_loss, plain_grad = gradient(False)
+    counter.remove()
+    groups = micro_batches(batch, 400)
+    assert len(groups) == 3 and all(len({tuple(s.token_ids[:20]) for s in g}) == 1 for g in groups)
+    # Each group's prompt (short of the position predicting the first sampled token) is fed once,
+    # then every row's rest: not each row's whole sequence.
+    prompts = [g[0].loss_mask.index(1) - 1 for g in groups]
+    assert shared_fed == sum(p + len(g) * (max(len(s.token_ids) for s in g) - p) for p, g in zip(prompts, groups))
+    assert shared_fed < sum(fed)
+    assert torch.allclose(shared_loss, plain_loss, rtol=1e-5, atol=1e-7)
+    for a, b in zip(shared_grad, plain_grad):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in shared_grad)

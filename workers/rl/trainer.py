@@ -379,17 +379,31 @@ def step_breakdown(timing: dict[str, float], generation: dict[str, float], updat
     }
 
 
-def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool = True) -> list[list[TrainSequence]]:
-    """Groups whose padded size (rows × longest row) stays within `max_tokens`; a sequence longer
-    than that is a micro-batch of its own. Sorted by length first, so rows of a group have similar
-    lengths and little padding (in arrival order, 5-33 % of a demo step's tokens were padding;
-    `by_length=False` keeps that order, the baseline of benchmarks/engine). The loss is a mean over
-    all the step's sequences, so the grouping changes only float rounding, not the update."""
+def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool = True,
+                  by_prompt: bool = True) -> list[list[TrainSequence]]:
+    """Groups whose cost stays within `max_tokens`; a sequence costing more than that is a
+    micro-batch of its own. With `by_prompt`, the rollouts of one prompt (the same tokens before
+    their first sampled one) are grouped together and their shared prompt counts once (`collate`
+    feeds it once): cost = prompt + rows x longest rest. Within a prompt, or over all sequences
+    without it, rows are sorted by length, so a group's rows have similar lengths and little
+    padding (in arrival order, 5-33 % of a demo step's tokens were padding; `by_length=False`
+    keeps that order, the baseline of benchmarks/engine). The loss is a mean over all the step's
+    sequences, so the grouping changes only float rounding, not the update."""
+    buckets: dict[tuple[int, ...], list[TrainSequence]] = {}
+    for sequence in sequences:
+        buckets.setdefault(_prompt_of(sequence) if by_prompt else (), []).append(sequence)
+    prompts = [bucket for bucket in buckets.values() if by_prompt and len(bucket) > 1]
+    alone = [bucket[0] for bucket in buckets.values() if by_prompt and len(bucket) == 1]
+    return [batch for bucket in [*prompts, alone if by_prompt else sequences]
+            for batch in _chunks(bucket, max_tokens, by_length=by_length, shared=by_prompt)]
+
+
+def _chunks(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool, shared: bool
+            ) -> list[list[TrainSequence]]:
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
     for sequence in sorted(sequences, key=lambda s: len(s.token_ids)) if by_length else sequences:
-        width = max([len(s.token_ids) for s in current] + [len(sequence.token_ids)])
-        if current and width * (len(current) + 1) > max_tokens:
+        if current and _padded_cost([*current, sequence], shared=shared) > max_tokens:
             batches.append(current)
             current = []
         current.append(sequence)
@@ -398,29 +412,63 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
     return batches
 
 
+def _prompt_of(sequence: TrainSequence) -> tuple[int, ...]:
+    return tuple(sequence.token_ids[:_first_sampled(sequence)])
+
+
+def _first_sampled(sequence: TrainSequence) -> int:
+    return next((i for i, flag in enumerate(sequence.loss_mask) if flag), len(sequence.loss_mask))
+
+
+def shared_prefix_length(sequences: list[TrainSequence]) -> int:
+    """Tokens every row starts with that can be fed once for all of them: the common prefix, short
+    of each row's first sampled token and the position that predicts it (computed with the rest)."""
+    if len(sequences) < 2:
+        return 0
+    limit = min(_first_sampled(s) for s in sequences) - 1
+    first = sequences[0].token_ids
+    length = 0
+    while length < limit and all(len(s.token_ids) > length and s.token_ids[length] == first[length] for s in sequences):
+        length += 1
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
+MIN_SHARED_PREFIX = 8  # shorter prefixes are not worth a forward of their own
+
+
+def _padded_cost(group: list[TrainSequence], *, shared: bool) -> int:
+    prefix = shared_prefix_length(group) if shared else 0  # 0 unless the rows share a prompt
+    return prefix + len(group) * (max(len(s.token_ids) for s in group) - prefix)
+
+
 @dataclass
 class Collated:
-    input_ids: torch.Tensor  # [B, L], right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    positions: torch.Tensor  # [P]: positions whose logits predict a sampled token of some row
+    input_ids: torch.Tensor  # [B, L], right-padded: each row's tokens after the shared prefix
+    attention_mask: torch.Tensor  # [B, prefix + L]
+    positions: torch.Tensor  # [P]: positions of input_ids whose logits predict a sampled token of some row
     loss_mask: torch.Tensor  # [B, P]: 1 where position+1 is a sampled token of that row
     sampling_logprobs: torch.Tensor  # [B, P]
     advantages: torch.Tensor  # [B, 1]
+    prefix_ids: torch.Tensor | None = None  # [1, prefix]: the tokens every row starts with, fed once
 
 
-def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.device) -> Collated:
-    width = max(len(s.token_ids) for s in sequences)
+def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.device, *,
+            share_prefix: bool = True) -> Collated:
+    """The micro-batch as tensors. With `share_prefix`, the tokens all rows start with (a group's
+    prompt, `shared_prefix_length`) become `prefix_ids`, fed once; the rows hold the rest."""
+    prefix = shared_prefix_length(sequences) if share_prefix else 0
+    width = max(len(s.token_ids) for s in sequences) - prefix
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention = torch.zeros((len(sequences), prefix + width), dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     sampled = torch.zeros((len(sequences), width), dtype=torch.float32)
     for row, sequence in enumerate(sequences):
-        n = len(sequence.token_ids)
-        ids[row, :n] = torch.tensor(sequence.token_ids)
-        attention[row, :n] = 1
-        mask[row, :n] = torch.tensor(sequence.loss_mask, dtype=torch.bool)
-        sampled[row, :n] = torch.tensor(sequence.sampling_logprobs, dtype=torch.float32)
-    mask[:, 0] = False  # the first token has no context to predict it from
+        n = len(sequence.token_ids) - prefix
+        ids[row, :n] = torch.tensor(sequence.token_ids[prefix:])
+        attention[row, :prefix + n] = 1
+        mask[row, :n] = torch.tensor(sequence.loss_mask[prefix:], dtype=torch.bool)
+        sampled[row, :n] = torch.tensor(sequence.sampling_logprobs[prefix:], dtype=torch.float32)
+    mask[:, 0] = False  # no context in the rows to predict it from (with a prefix it is never sampled)
     # Only the logits that predict a sampled token are computed: the vocabulary projection of
     # prompt and tool-output positions is skipped, which is most of the memory for long contexts.
     targets = torch.nonzero(mask.any(dim=0)).squeeze(-1)
@@ -428,21 +476,29 @@ def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.dev
         input_ids=ids.to(device), attention_mask=attention.to(device), positions=(targets - 1).to(device),
         loss_mask=mask[:, targets].to(device), sampling_logprobs=sampled[:, targets].to(device),
         advantages=torch.tensor([[s.advantage] for s in sequences], dtype=torch.float32, device=device),
+        prefix_ids=torch.tensor([sequences[0].token_ids[:prefix]], device=device) if prefix else None,
     )
 
 
 def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
     """Log-probs [B, P] of the token at each position+1 where the loss mask is set (0 elsewhere),
     at the sampling temperature (as generation.sequence_logprobs computes them), over the full
-    vocabulary. The vocabulary projection and its log-softmax, the largest tensors of the update,
-    run only on the hidden states of the sampled tokens' positions: a row's prompt and tool-output
-    positions, and the positions only other rows of the micro-batch sample at, are skipped."""
+    vocabulary. A shared prefix runs once, its keys and values repeated for every row (the
+    gradient flows back through them). The vocabulary projection and its log-softmax, the largest
+    tensors of the update, run only on the hidden states of the sampled tokens' positions: a row's
+    prompt and tool-output positions, and the positions only other rows of the micro-batch sample
+    at, are skipped."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the wrapped model
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     positions = batch.positions[columns]
+    decoder = causal_lm.get_decoder()
     with adapters_in_model_dtype(model):
-        hidden = causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                         use_cache=False).last_hidden_state
+        prefix = None
+        if batch.prefix_ids is not None:  # fed once; every row attends to (and backpropagates into) it
+            prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).past_key_values
+            prefix.batch_repeat_interleave(batch.input_ids.shape[0])
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, past_key_values=prefix,
+                         use_cache=prefix is not None).last_hidden_state
         logits = causal_lm.get_output_embeddings()(hidden[rows, positions]).float()
     if temperature > 0:
         logits = logits / temperature
