@@ -8,9 +8,9 @@ examples) from one tree and runs `--steps` training steps of the demo's own conf
 financial-reports tool server on 127.0.0.1, the demo's grader), same seeds in both trees. Old and
 new alternate, `--repeats` times each; the table gives medians.
 
-Per run: median step time and its parts, the tokens of the step's rollouts and the update's
-seconds per 1,000 of them (the two sides sample different rollouts; this compares the update on
-equal terms), prefill tokens (the new engine counts what it fed; what the old engine feeds for the
+Per run: median step time and its parts, the tokens of the step's rollouts, those the update
+trains on (groups with a reward spread) and the update's seconds per 1,000 of them (the two sides
+sample different rollouts; this compares the update on equal terms), prefill tokens (the new engine counts what it fed; what the old engine feeds for the
 same rollouts is every turn's whole context, counted from the rollouts' token arrays), sampled-token log-prob mismatch, peak RSS of the process, and a hash of
 the first step's sampled tokens (same seeds: the same hash means the sampler's output is unchanged).
 
@@ -46,6 +46,7 @@ def child(steps: int) -> dict[str, Any]:
 
     from benchmarks.demo_learning import run as demo
     from workers.rl import rollout as rollout_module
+    from workers.rl import trainer as trainer_module
 
     torch.set_num_threads(2)
     captured: list[dict[str, Any]] = []
@@ -57,7 +58,7 @@ def child(steps: int) -> dict[str, Any]:
         whole = sum(start for r in records for start, _ in _spans(r))
         sampled = [t for r in records for t, m in zip(r.token_ids, r.loss_mask) if m]
         captured.append({"prefill_tokens": fed if fed is not None else whole, "whole_context_tokens": whole,
-                         "sequence_tokens": sum(len(r.token_ids) for r in records),
+                         "sequence_tokens": sum(len(r.token_ids) for r in records), "update_tokens": 0,
                          "sampled_hash": hashlib.sha256(json.dumps(sampled).encode()).hexdigest()[:16]})
         return records
 
@@ -72,6 +73,13 @@ def child(steps: int) -> dict[str, Any]:
         return spans
 
     rollout_module.RolloutEngine.run = recording_run
+    original_update = trainer_module.Trainer._update
+
+    def recording_update(self, sequences):  # noqa: ANN001, ANN202 - the tokens the update trains on
+        captured[-1]["update_tokens"] = sum(len(s.token_ids) for s in sequences)
+        return original_update(self, sequences)
+
+    trainer_module.Trainer._update = recording_update
     settings = demo.demo_settings()
     settings["training"]["steps"] = steps
     with tempfile.TemporaryDirectory(prefix="engine-step-") as tmp, ExitStack() as stack:
@@ -127,9 +135,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key in steps[0]["breakdown"]:
             parts[key] = statistics.median(s["breakdown"][key] for s in steps)
     mismatch = [s["logprob_mismatch"] for s in steps if s["logprob_mismatch"] is not None]
-    per_1000 = [1000 * s["training_s"] / s["sequence_tokens"] for s in steps if s.get("sequence_tokens")]
+    per_1000 = [1000 * s["training_s"] / s["update_tokens"] for s in steps if s.get("update_tokens")]
     return {"step_s": median("step_s"), "sampling_s": median("sampling_s"), "training_s": median("training_s"),
-            "sequence_tokens": median("sequence_tokens"),
+            "sequence_tokens": median("sequence_tokens"), "update_tokens": median("update_tokens"),
             "update_s_per_1000_tokens": statistics.median(per_1000) if per_1000 else None,
             "prefill_tokens": median("prefill_tokens"), "whole_context_tokens": median("whole_context_tokens"),
             "logprob_mismatch": statistics.median(mismatch) if mismatch else None,
@@ -163,7 +171,8 @@ def main() -> None:
     old, new = summarize(runs["old"]), summarize(runs["new"])
     rows = [("demo step (median)", "step_s", "s"), ("  sampling", "sampling_s", "s"), ("  update", "training_s", "s"),
             ("tokens of the step's rollouts", "sequence_tokens", ""),
-            ("  update per 1,000 of them", "update_s_per_1000_tokens", "s"),
+            ("  of them trained on (groups with a reward spread)", "update_tokens", ""),
+            ("  update per 1,000 trained tokens", "update_s_per_1000_tokens", "s"),
             ("prefill tokens per step", "prefill_tokens", ""), ("peak RSS", "peak_rss_gb", "GB")]
     print(f"\n| measure | old ({BASELINE_REV}) | new | new / old |\n|---|---|---|---|")
     for label, key, unit in rows:

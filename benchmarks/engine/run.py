@@ -54,13 +54,13 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 
 def step_sequences(seed: int = 0, prompts: int = 4, group: int = 4) -> list[TrainSequence]:
-    """Sequences shaped like a demo step's: 4 prompts x 4 rollouts, each prompt ~372 tokens (the
+    """Sequences shaped like a demo step's: 4 prompts x 4 rollouts, each prompt ~93 tokens (the
     demo's system message with its worked example, and the question), then either an answer, or a
     search call, its ~81-token result and an answer (sampled parts capped at 96 tokens per turn)."""
     rng = random.Random(seed)
     sequences = []
     for _ in range(prompts):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(360, 385))]
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(85, 100))]
         for _ in range(group):
             parts = [(rng.randint(10, 96), 1)]
             if rng.random() < 0.6:

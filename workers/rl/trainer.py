@@ -495,9 +495,9 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
     with adapters_in_model_dtype(model):
         prefix = None
         if batch.prefix_ids is not None:  # fed once; every row attends to (and backpropagates into) it
-            prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).past_key_values
+            prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).cache
             prefix.batch_repeat_interleave(batch.input_ids.shape[0])
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, past_key_values=prefix,
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, cache=prefix,
                          use_cache=prefix is not None).last_hidden_state
         logits = causal_lm.get_output_embeddings()(hidden[rows, positions]).float()
     if temperature > 0:
