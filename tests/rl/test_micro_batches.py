@@ -8,7 +8,8 @@ import random
 import torch
 
 from workers.rl.models import apply_lora, load_model
-from workers.rl.trainer import LossSettings, TrainSequence, collate, micro_batch_loss, micro_batches, token_logprobs
+from workers.rl.trainer import (LossSettings, TrainSequence, collate, feedable_prefix, micro_batch_loss, micro_batches,
+                               token_logprobs)
 
 
 def sequences(n: int = 12) -> list[TrainSequence]:
@@ -58,7 +59,7 @@ def grouped_sequences(prompts: int = 3, group: int = 4) -> list[TrainSequence]:
     rng = random.Random(7)
     out = []
     for _ in range(prompts):
-        prompt = [rng.randrange(10, 40000) for _ in range(rng.randint(20, 40))]
+        prompt = [rng.randrange(10, 40000) for _ in range(rng.randint(50, 70))]
         for _ in range(group):
             parts = [(rng.randint(3, 20), 1), (rng.randint(0, 15), 0), (rng.randint(0, 10), 1)]
             mask = [0] * len(prompt) + [flag for n, flag in parts for _ in range(n)]
@@ -92,7 +93,7 @@ def test_a_prompts_rollouts_share_one_micro_batch_and_feed_their_prompt_once():
     plain_loss, plain_grad = gradient(False)
     counter.remove()
     groups = micro_batches(batch, 400)
-    assert len(groups) == 3 and all(len({tuple(s.token_ids[:20]) for s in g}) == 1 for g in groups)
+    assert len(groups) == 3 and all(feedable_prefix(g) for g in groups) and all(len({tuple(s.token_ids[:20]) for s in g}) == 1 for g in groups)
     # Each group's prompt (short of the position predicting the first sampled token) is fed once,
     # then every row's rest: not each row's whole sequence.
     prompts = [g[0].loss_mask.index(1) - 1 for g in groups]
@@ -102,3 +103,14 @@ def test_a_prompts_rollouts_share_one_micro_batch_and_feed_their_prompt_once():
     for a, b in zip(shared_grad, plain_grad):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in shared_grad)
+
+
+def test_a_short_shared_prompt_is_fed_with_each_row():
+    """Feeding a prompt once costs a forward of its own and smaller micro-batches; below
+    SHARE_WHEN_SPARED of the tokens spared, rows are batched whole by length, across prompts."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(10, 40000) for _ in range(10)]
+    rows = [TrainSequence(prompt + [rng.randrange(10, 40000) for _ in range(40)], [0] * 10 + [1] * 40,
+                          [-2.0] * 50, 0.5) for _ in range(4)]
+    assert feedable_prefix(rows) == 0 and collate(rows, 0, torch.device("cpu")).prefix_ids is None
+    assert feedable_prefix(grouped_sequences()[:1] * 4) > 0

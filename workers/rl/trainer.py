@@ -383,8 +383,9 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
                   by_prompt: bool = True) -> list[list[TrainSequence]]:
     """Groups whose cost stays within `max_tokens`; a sequence costing more than that is a
     micro-batch of its own. With `by_prompt`, the rollouts of one prompt (the same tokens before
-    their first sampled one) are grouped together and their shared prompt counts once (`collate`
-    feeds it once): cost = prompt + rows x longest rest. Within a prompt, or over all sequences
+    their first sampled one) whose prompt is most of their tokens (`feedable_prefix`) are grouped
+    together and their shared prompt counts once (`collate` feeds it once): cost = prompt + rows x
+    longest rest. Within a prompt, or over all sequences
     without it, rows are sorted by length, so a group's rows have similar lengths and little
     padding (in arrival order, 5-33 % of a demo step's tokens were padding; `by_length=False`
     keeps that order, the baseline of benchmarks/engine). The loss is a mean over all the step's
@@ -392,8 +393,8 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
     buckets: dict[tuple[int, ...], list[TrainSequence]] = {}
     for sequence in sequences:
         buckets.setdefault(_prompt_of(sequence) if by_prompt else (), []).append(sequence)
-    prompts = [bucket for bucket in buckets.values() if by_prompt and len(bucket) > 1]
-    alone = [bucket[0] for bucket in buckets.values() if by_prompt and len(bucket) == 1]
+    prompts = [bucket for bucket in buckets.values() if by_prompt and feedable_prefix(bucket)]
+    alone = [s for bucket in buckets.values() if by_prompt and not feedable_prefix(bucket) for s in bucket]
     return [batch for bucket in [*prompts, alone if by_prompt else sequences]
             for batch in _chunks(bucket, max_tokens, by_length=by_length, shared=by_prompt)]
 
@@ -430,14 +431,24 @@ def shared_prefix_length(sequences: list[TrainSequence]) -> int:
     length = 0
     while length < limit and all(len(s.token_ids) > length and s.token_ids[length] == first[length] for s in sequences):
         length += 1
-    return length if length >= MIN_SHARED_PREFIX else 0
+    return length
 
 
-MIN_SHARED_PREFIX = 8  # shorter prefixes are not worth a forward of their own
+def feedable_prefix(sequences: list[TrainSequence]) -> int:
+    """The shared prefix `collate` feeds once, or 0. Its own forward, and a micro-batch per prompt,
+    pay off when feeding it once spares at least SHARE_WHEN_SPARED of the rows' tokens: at 53 %
+    spared (a 372-token prompt, 4 rollouts) the update took 0.75x the time, at 28 % (the demo's
+    93-token prompt) 1.17x, in smaller micro-batches (benchmarks/engine)."""
+    prefix = shared_prefix_length(sequences)
+    spared = prefix * (len(sequences) - 1)
+    return prefix if spared and spared >= SHARE_WHEN_SPARED * sum(len(s.token_ids) for s in sequences) else 0
+
+
+SHARE_WHEN_SPARED = 0.4
 
 
 def _padded_cost(group: list[TrainSequence], *, shared: bool) -> int:
-    prefix = shared_prefix_length(group) if shared else 0  # 0 unless the rows share a prompt
+    prefix = feedable_prefix(group) if shared else 0
     return prefix + len(group) * (max(len(s.token_ids) for s in group) - prefix)
 
 
@@ -455,8 +466,8 @@ class Collated:
 def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.device, *,
             share_prefix: bool = True) -> Collated:
     """The micro-batch as tensors. With `share_prefix`, the tokens all rows start with (a group's
-    prompt, `shared_prefix_length`) become `prefix_ids`, fed once; the rows hold the rest."""
-    prefix = shared_prefix_length(sequences) if share_prefix else 0
+    prompt, `feedable_prefix`) become `prefix_ids`, fed once; the rows hold the rest."""
+    prefix = feedable_prefix(sequences) if share_prefix else 0
     width = max(len(s.token_ids) for s in sequences) - prefix
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), prefix + width), dtype=torch.long)
