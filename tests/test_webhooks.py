@@ -108,6 +108,18 @@ def test_another_projects_endpoint_is_not_found(sdk, wh_settings):
     assert list(stranger.webhooks.list()) == []
 
 
+@pytest.mark.parametrize("status", [302, 404, 500])
+def test_a_test_answered_outside_2xx_is_no_success_and_says_why(sdk, status):
+    """A real delivery counts only a 2xx as delivered; the test send says the same, not success."""
+    with receiver(statuses=[status]) as recv:
+        created = sdk.webhooks.create(name="t", url=recv.url, event_types=STANDARD)
+        recv.secret = created.signing_secret
+        result = sdk.webhooks.test(created.id, event_type="fine_tuning.job.succeeded")
+        assert recv.requests[-1].verified
+    assert (result.status_code, result.success) == (status, False)
+    assert f"HTTP {status}" in result.model_extra["error"] and "2xx" in result.model_extra["error"]
+
+
 def test_test_sends_a_signed_sample_and_rotation_keeps_the_old_secret_on_request(sdk):
     with receiver(statuses=[202]) as recv:
         created = sdk.webhooks.create(name="t", url=recv.url, event_types=STANDARD)

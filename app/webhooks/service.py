@@ -173,8 +173,9 @@ def event_types() -> EventTypeList:
 
 def test_endpoint(*, session: Session, settings: Settings, project_id: str, endpoint_id: str,
                   body: EndpointTest) -> EndpointTestResult:
-    """Send a sample event, signed like a real one, and answer with the endpoint's status code.
-    Test sends are not retried and not logged as deliveries."""
+    """Send a sample event, signed like a real one, and answer with the endpoint's status code and
+    whether a real delivery would count it as delivered (a 2xx). Test sends are not retried and not
+    logged as deliveries."""
     ep = _endpoint_row(session, project_id, endpoint_id)
     now = utcnow()
     payload = event_body(new_id("evt_"), body.event_type, unix(now), {"id": "ftjob-test"})
@@ -184,8 +185,11 @@ def test_endpoint(*, session: Session, settings: Settings, project_id: str, endp
     if result.status_code is None:
         raise APIError(400, f"The test event could not be delivered to '{ep.url}': {result.error}.",
                        code="webhook_endpoint_unreachable", param="url")
+    error = None if result.succeeded else (
+        f"Not delivered: {result.error}. Deliveries count only a 2xx answer as delivered, so real events sent to "
+        "this URL would be retried and then fail.")
     return EndpointTestResult(webhook_endpoint_id=ep.id, event_type=body.event_type, status_code=result.status_code,
-                              latency_ms=result.latency_ms)
+                              success=result.succeeded, latency_ms=result.latency_ms, error=error)
 
 
 # --- deliveries and their attempt log (this service's extension) ---------------------------
