@@ -119,6 +119,9 @@ class LabelModelGrader(_Grader):
         return passing
 
 
+PYTHON_SOURCE_MAX_BYTES = 256 * 1024
+
+
 class PythonGrader(_Grader):
     type: Literal["python"]
     source: str = Field(min_length=1)
@@ -127,6 +130,10 @@ class PythonGrader(_Grader):
     @field_validator("source")
     @classmethod
     def _defines_grade(cls, source: str) -> str:
+        size = len(source.encode("utf-8", errors="surrogatepass"))
+        if size > PYTHON_SOURCE_MAX_BYTES:  # before parsing: parsing a huge source is the cost
+            raise ValueError(f"source is {size:,} bytes of UTF-8; the limit is {PYTHON_SOURCE_MAX_BYTES:,} (256 KiB, "
+                             "as OpenAI's python grader)")
         try:
             tree = ast.parse(source)
         except SyntaxError as exc:

@@ -823,3 +823,19 @@ def test_a_python_sub_graders_runtime_error_propagates_with_its_details() -> Non
     assert result.errors["python_grader_runtime_error"] is True
     assert "KeyError: 'gold'" in result.errors["python_grader_runtime_error_details"]
 
+
+
+def test_python_source_over_256_kib_is_refused_with_its_size(api) -> None:
+    """The cap is on the source's UTF-8 bytes, checked before parsing; at the cap it is accepted."""
+    body = "def grade(sample, item):\n    return 1.0\n"
+    filler = "#" + "x" * 1023 + "\n"  # 1 KiB comment lines
+    at_cap = body + filler * ((256 * 1024 - len(body)) // len(filler))
+    at_cap += "#" * (256 * 1024 - len(at_cap.encode()))
+    ok = api.post("/v1/fine_tuning/alpha/graders/validate",
+                  json={"grader": {"type": "python", "name": "py", "source": at_cap}})
+    assert ok.status_code == 200, ok.text
+    over = api.post("/v1/fine_tuning/alpha/graders/validate",
+                    json={"grader": {"type": "python", "name": "py", "source": at_cap + "é"}})
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["param"] == "grader.source"
+    assert "262,146 bytes" in error["message"] and "262,144" in error["message"]
