@@ -837,5 +837,5 @@ def test_python_source_over_256_kib_is_refused_with_its_size(api) -> None:
     over = api.post("/v1/fine_tuning/alpha/graders/validate",
                     json={"grader": {"type": "python", "name": "py", "source": at_cap + "é"}})
     error = over.json()["error"]
-    assert over.status_code == 400 and error["param"] == "grader.source"
+    assert (over.status_code, error["code"], error["param"]) == (400, "invalid_value", "grader.source")
     assert "262,146 bytes" in error["message"] and "262,144" in error["message"]
