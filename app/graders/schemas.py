@@ -132,8 +132,7 @@ class PythonGrader(_Grader):
     def _defines_grade(cls, source: str) -> str:
         size = len(source.encode("utf-8", errors="surrogatepass"))
         if size > PYTHON_SOURCE_MAX_BYTES:  # before parsing: parsing a huge source is the cost
-            raise ValueError(f"source is {size:,} bytes of UTF-8; the limit is {PYTHON_SOURCE_MAX_BYTES:,} (256 KiB, "
-                             "as OpenAI's python grader)")
+            raise ValueError(f"source is {size:,} bytes of UTF-8; the limit is {PYTHON_SOURCE_MAX_BYTES:,} (256 KiB)")
         try:
             tree = ast.parse(source)
         except SyntaxError as exc:
