@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.orm import Session
 
 from app.auth.service import Principal, authenticate
@@ -23,6 +23,12 @@ def _settings(request: Request) -> Settings:
 
 
 # scope="function": commit before the response is sent, so a 200 always means "stored".
+# The largest value an INTEGER column holds (PostgreSQL, SQLite's range is wider): a query filter
+# beyond it can match nothing, and PostgreSQL refuses it ("integer out of range") as a 500.
+INT32_MAX = 2**31 - 1
+# A step or sample number in a query string.
+RowIndex = Annotated[int, Query(ge=0, le=INT32_MAX)]
+
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 

@@ -11,15 +11,15 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, BackgroundTasks, Form, Request
+from fastapi import APIRouter, BackgroundTasks, Form, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from app.auth.service import authenticate
-from app.core.deps import SessionDep
+from app.core.deps import INT32_MAX, SessionDep
 from app.core.errors import APIError
 from app.dashboard import diagnostics as variance
 from app.dashboard import queries
@@ -208,8 +208,8 @@ def _int(value: str | None, errors: list[str], name: str, minimum: int = 0) -> i
     except ValueError:
         errors.append(f"{name} must be a whole number")
         return None
-    if number < minimum:
-        errors.append(f"{name} must be at least {minimum}")
+    if not minimum <= number <= INT32_MAX:
+        errors.append(f"{name} must be between {minimum} and {INT32_MAX:,}")
         return None
     return number
 
@@ -265,7 +265,8 @@ def job_page(request: Request, job_id: str, user: PageUser, session: SessionDep,
 
 
 @router.get("/jobs/{job_id}/data")
-def job_data(job_id: str, user: DataUser, session: SessionDep, after_step: int = -1) -> JSONResponse:
+def job_data(job_id: str, user: DataUser, session: SessionDep,
+             after_step: Annotated[int, Query(ge=-1, le=INT32_MAX)] = -1) -> JSONResponse:
     """The job's status, its charted series (only steps after `after_step`, so that a poll of a
     long job sends just what is new), checkpoints and recent events."""
     try:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Request
 from pydantic import BaseModel, Field
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.deps import INT32_MAX, CurrentKey, RowIndex, SessionDep, SettingsDep
 from app.core.pagination import ListPage
 from app.diagnostics import pipeline, service
 from app.diagnostics.schemas import DiagnosticCreate, DiagnosticObject, DiagnosticRolloutObject
@@ -66,7 +66,7 @@ def list_diagnostic_rollouts(
     diagnostic_id: str,
     principal: CurrentKey,
     session: SessionDep,
-    sample_index: Annotated[int | None, Query(ge=0)] = None,
+    sample_index: RowIndex | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListPage[DiagnosticRolloutObject]:
@@ -81,8 +81,8 @@ class DiagnosticRolloutRecord(BaseModel):
     model_config = {"extra": "allow"}
 
     trace_id: str = Field(min_length=1, max_length=128)
-    sample_index: int = Field(ge=0)
-    run_index: int = Field(ge=0)
+    sample_index: int = Field(ge=0, le=INT32_MAX)
+    run_index: int = Field(ge=0, le=INT32_MAX)
     reward: float | None = None
     finish_reason: str | None = Field(None, max_length=64)
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep
 from app.core.errors import APIError
 from app.core.pagination import ListPage
 from app.internal import service
@@ -127,7 +127,7 @@ def list_rollouts(
     fine_tuning_job_id: str,
     principal: CurrentKey,
     session: SessionDep,
-    step: Annotated[int | None, Query(ge=0)] = None,
+    step: RowIndex | None = None,
     split: Split | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
