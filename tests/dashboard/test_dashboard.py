@@ -398,3 +398,19 @@ def test_variance_report_lists_samples_sorted_by_class_and_opens_their_runs(clie
     assert client.get(f"/dashboard/diagnostics/{diagnostic_id}/data").status_code == 404
     assert client.get(f"/dashboard/diagnostics/{diagnostic_id}/rollouts/trace_d1_0").status_code == 404
     assert diagnostic_id not in client.get("/dashboard/diagnostics").text
+
+
+def test_numbers_beyond_an_integer_column_are_reported_not_a_500(client, project, running_job, worker):
+    """Issue 18, item 2: the rollout filters and the chart poll with numbers PostgreSQL's INTEGER
+    cannot hold; the page says what is wrong, the poll answers 400."""
+    report_steps(worker, running_job, range(1, 2), total=1)
+    login(client, project["key"])
+    base = f"/dashboard/jobs/{running_job}/rollouts"
+    for params in ({"step": "99999999999"}, {"sample": "2147483648"}, {"step": "1", "sample": str(10**30)}):
+        page = client.get(base, params=params)
+        assert page.status_code == 200, (params, page.text[:300])
+        assert "must be between 0 and 2,147,483,647" in page.text
+    assert client.get(base, params={"step": "2147483647"}).status_code == 200
+    poll = client.get(f"/dashboard/jobs/{running_job}/data", params={"after_step": "99999999999"})
+    assert poll.status_code == 400 and poll.json()["error"]["param"] == "after_step"
+    assert client.get(f"/dashboard/jobs/{running_job}/data", params={"after_step": "2147483647"}).status_code == 200
