@@ -781,8 +781,8 @@ def merged_lora_weights(model: Any) -> Iterator[int]:
         with torch.no_grad():
             for layer, weight in swapped:
                 (name,) = layer.active_adapters
-                merged = weight.to(torch.float32, copy=True).addmm_(layer.lora_B[name].weight.float(), layer.lora_A[name].weight.float(),
-                                               alpha=layer.scaling[name])
+                b, a = layer.lora_B[name].weight.float(), layer.lora_A[name].weight.float()
+                merged = weight.to(torch.float32, copy=True).addmm_(b, a, alpha=layer.scaling[name])
                 layer.base_layer.weight.data = merged.to(weight.dtype)
                 layer.merged_adapters = [name]
         yield len(swapped)

@@ -385,18 +385,24 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
     micro-batch of its own. With `by_prompt`, the rollouts of one prompt (the same tokens before
     their first sampled one) whose prompt is most of their tokens (`feedable_prefix`) are grouped
     together and their shared prompt counts once (`collate` feeds it once): cost = prompt + rows x
-    longest rest. Within a prompt, or over all sequences
-    without it, rows are sorted by length, so a group's rows have similar lengths and little
-    padding (in arrival order, 5-33 % of a demo step's tokens were padding; `by_length=False`
-    keeps that order, the baseline of benchmarks/engine). The loss is a mean over all the step's
-    sequences, so the grouping changes only float rounding, not the update."""
+    longest rest. Within a prompt, or over all other sequences, rows are sorted by length, so a
+    group's rows have similar lengths and little padding (in arrival order, 5-33 % of a demo step's
+    tokens were padding; `by_length=False` keeps that order, the baseline of benchmarks/engine).
+    The loss is a mean over all the step's sequences, so the grouping changes only float rounding,
+    not the update."""
+    if not by_prompt:
+        return _chunks(sequences, max_tokens, by_length=by_length, shared=False)
     buckets: dict[tuple[int, ...], list[TrainSequence]] = {}
     for sequence in sequences:
-        buckets.setdefault(_prompt_of(sequence) if by_prompt else (), []).append(sequence)
-    prompts = [bucket for bucket in buckets.values() if by_prompt and feedable_prefix(bucket)]
-    alone = [s for bucket in buckets.values() if by_prompt and not feedable_prefix(bucket) for s in bucket]
-    return [batch for bucket in [*prompts, alone if by_prompt else sequences]
-            for batch in _chunks(bucket, max_tokens, by_length=by_length, shared=by_prompt)]
+        buckets.setdefault(_prompt_of(sequence), []).append(sequence)
+    prompts, alone = [], []
+    for bucket in buckets.values():
+        if feedable_prefix(bucket):
+            prompts.append(bucket)
+        else:
+            alone.extend(bucket)
+    return [batch for bucket in [*prompts, alone]
+            for batch in _chunks(bucket, max_tokens, by_length=by_length, shared=True)]
 
 
 def _chunks(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool, shared: bool
