@@ -57,9 +57,20 @@ def pg_url() -> Iterator[str]:
 
 
 def _truncate_all(url: str) -> None:
+    """Empty every table. A live server's background work (the sweeper, a delivery) may hold a lock
+    the TRUNCATE needs while waiting for one it holds; PostgreSQL then aborts one side as a
+    deadlock. When that is the TRUNCATE, the other side has finished by the next try."""
     tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+
+    def truncated() -> bool:
+        with psycopg.connect(url, autocommit=True) as conn:
+            try:
+                conn.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+            except psycopg.errors.DeadlockDetected:
+                return False
+        return True
+
+    wait_for(truncated)
 
 
 @pytest.fixture
