@@ -28,6 +28,7 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -69,8 +70,13 @@ def build_task(settings: dict[str, Any], out_dir: Path) -> tuple[Path, list[dict
     from examples.financial_reports import demo_task
 
     task = settings["task"]
-    return demo_task.build(out_dir, seed=task["corpus_seed"], companies=task["companies"], years=task["years"],
-                           held_out_companies=task["held_out_companies"], system_prompt=settings["system_prompt"])
+    corpus, train, held_out = demo_task.build(
+        out_dir, seed=task["corpus_seed"], companies=task["companies"], years=task["years"],
+        held_out_companies=task["held_out_companies"], system_prompt=settings["system_prompt"])
+    if task.get("example_turns"):  # a worked example as turns of the conversation, after the system message
+        train, held_out = ([{**row, "messages": [row["messages"][0], *task["example_turns"], *row["messages"][1:]]}
+                            for row in rows] for rows in (train, held_out))
+    return corpus, train, held_out
 
 
 # --- the pieces of a run --------------------------------------------------------------------------
@@ -117,6 +123,7 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
     records = await engine.run(specs)
     graded = await grade_rollouts(grader(settings), GraderContext(), records, [s.item for s in specs])
     return [{"row": s.sample_index, "reward": g.reward or 0.0, **sub_rewards(g), "tool_calls": len(g.record.tool_calls),
+             "tools": [call.name for call in g.record.tool_calls], "tool_output_tokens": g.record.tool_output_tokens,
              "tokens": g.record.completion_tokens, "seconds": g.record.wall_time_s,
              "finish": g.record.finish_reason, "answer": g.record.final_answer, "messages": g.record.messages}
             for s, g in zip(specs, graded)]
@@ -135,6 +142,9 @@ def metrics(results: list[dict[str, Any]]) -> dict[str, float]:
             "reward": mean(r["reward"] for r in results),
             "searched_for_company": mean(r.get("searched", 0.0) for r in results),
             "tool_calls_per_rollout": mean(r["tool_calls"] for r in results),
+            **{f"{name}_calls_per_rollout": mean(r.get("tools", []).count(name) for r in results)
+               for name in ("search", "list", "cat")},
+            "tool_output_tokens_per_rollout": mean(r.get("tool_output_tokens", 0) for r in results),
             "tokens_per_rollout": mean(r["tokens"] for r in results),
             "seconds_per_rollout": mean(r["seconds"] for r in results),
             "answered_rate": mean(r["finish"] == "answered" for r in results)}
@@ -263,7 +273,10 @@ async def measure_signal(settings: dict[str, Any], port: int, rows: list[dict], 
         elapsed = time.perf_counter() - started
     for r in results[: 3 * k]:
         print(f"  row {r['row']} reward {r['reward']} calls {r['tool_calls']} {r['finish']}: {r['answer'][:100]!r}")
+    sequences = Counter(" ".join(r["tools"]) or "(no call)" for r in results)
     return {"samples": len(rows), "k": k, "shares": signal_shares(results), "metrics": metrics(results),
+            "tool_sequences": dict(sequences.most_common(6)),
+            "finish_reasons": dict(Counter(r["finish"] for r in results)),
             "wall_seconds": elapsed}
 
 
@@ -281,11 +294,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the demo's 2 cores)")
+    parser.add_argument("--system-prompt", type=Path, help="a file whose text replaces the demo's system prompt")
+    parser.add_argument("--example-turns", type=Path,
+                        help="a JSON list of chat messages (a worked example as conversation turns) put before each question")
+    parser.add_argument("--max-episode-steps", type=int, help="tool calls per rollout")
+    parser.add_argument("--max-tokens-per-turn", type=int)
+    parser.add_argument("--max-tokens-per-rollout", type=int)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = demo_settings()
     overrides = {"model": args.model, "engine.temperature": args.temperature, "training.steps": args.steps,
-                 "training.learning_rate": args.learning_rate, "training.batch_size": args.batch_size}
+                 "training.learning_rate": args.learning_rate, "training.batch_size": args.batch_size,
+                 "engine.max_episode_steps": args.max_episode_steps, "engine.max_tokens_per_turn": args.max_tokens_per_turn,
+                 "engine.max_tokens_per_rollout": args.max_tokens_per_rollout,
+                 "system_prompt": args.system_prompt.read_text().strip() if args.system_prompt else None,
+                 "task.example_turns": json.loads(args.example_turns.read_text()) if args.example_turns else None}
     for path, value in overrides.items():
         if value is not None:
             *parents, key = path.split(".")
