@@ -12,23 +12,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_session_factory
 from app.core.errors import error_body, install_error_handlers
+from app.core.lifecycle import PeriodicLoop
 from app.core.migrations import ensure_schema
 from app.core.queue import JobQueue
 from app.diagnostics import pipeline as diagnostics_pipeline
 from app.diagnostics.router import internal_router as diagnostics_internal_router
 from app.diagnostics.router import router as diagnostics_router
-from app.diagnostics.watchdog import DiagnosticWatchdog
+from app.diagnostics.watchdog import expire_diagnostic_leases
 from app.dashboard import install as install_dashboard
 from app.files.router import router as files_router
 from app.files.storage import LocalStorage
 from app.graders.router import router as graders_router
 from app.internal.router import public_router as rollouts_router
 from app.internal.router import router as internal_router
-from app.internal.watchdog import Watchdog
+from app.internal.watchdog import expire_job_leases
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
 from app.serving.router import router as serving_router
-from app.webhooks.dispatcher import WebhookSweeper
+from app.webhooks.dispatcher import sweep
 from app.webhooks.outbox import install_dispatch
 from app.webhooks.router import internal_router as webhooks_internal_router
 from app.webhooks.router import router as webhooks_router
@@ -74,20 +75,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             target=diagnostics_pipeline.recover, args=(state.session_factory, state.storage, state.queue),
             name="recover-diagnostics", daemon=True,
         ).start()
-        watchdog = Watchdog(state.session_factory, state.queue, settings.watchdog_interval_s)
-        watchdog.start()
-        diagnostic_watchdog = DiagnosticWatchdog(state.session_factory, state.queue, settings.watchdog_interval_s)
-        diagnostic_watchdog.start()
-        webhook_sweeper = WebhookSweeper(state.session_factory, state.queue.enqueue_webhook,
-                                         interval_s=settings.webhook_sweep_interval_s,
-                                         redispatch_after_s=settings.webhook_redispatch_after_s)
-        webhook_sweeper.start()
+        factory, queue = state.session_factory, state.queue
+
+        loops = [  # the runs whose worker went silent; due webhook deliveries
+            PeriodicLoop("lease-watchdog", settings.watchdog_interval_s,
+                         lambda _first: expire_job_leases(factory, queue),
+                         lambda _first: expire_diagnostic_leases(factory, queue)),
+            PeriodicLoop("webhook-sweeper", settings.webhook_sweep_interval_s, lambda first: sweep(
+                factory, queue.enqueue_webhook, redispatch_after_s=settings.webhook_redispatch_after_s, first=first)),
+        ]
+        for loop in loops:
+            loop.start()
         yield
-        webhook_sweeper.stop()
         if getattr(state, "inference", None) is not None:
             await state.inference.close()
-        diagnostic_watchdog.stop()
-        watchdog.stop()
+        for loop in loops:
+            loop.stop()
         state.queue.close()
         engine.dispose()
 

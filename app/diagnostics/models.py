@@ -9,10 +9,14 @@ from sqlalchemy import DateTime, Float, ForeignKey, Integer, String, UniqueConst
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.core.db import Base, BigIntPK, JSONType, utcnow
+from app.core.lifecycle import LeasedRun
 
 
-class Diagnostic(Base):
+class Diagnostic(LeasedRun, Base):
+    """A variance diagnostic; its lease columns (enqueued_at, lease_*) come from LeasedRun."""
+
     __tablename__ = "diagnostics"
+    noun, id_param = "diagnostic", "diagnostic_id"
 
     seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True)
@@ -40,11 +44,6 @@ class Diagnostic(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    released_lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class DiagnosticRollout(Base):

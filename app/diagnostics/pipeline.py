@@ -34,10 +34,10 @@ def run_validation(factory: sessionmaker[Session], storage: Storage, queue: JobQ
             failure, rows = {"code": "validation_error", "message": f"Validation could not complete: {exc}",
                              "param": None}, 0
         if failure:
-            transition(diagnostic, S.FAILED, error=failure)
+            transition(session, diagnostic, S.FAILED, error=failure)
         else:
             diagnostic.samples_total = min(rows, diagnostic.max_samples or rows)
-            transition(diagnostic, S.QUEUED)
+            transition(session, diagnostic, S.QUEUED)
         session.commit()
     if not failure:
         send_to_workers(factory, queue, diagnostic_id)

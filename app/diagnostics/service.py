@@ -3,9 +3,7 @@ listing, and the worker side (claim, heartbeat, pushes, finish) under a lease li
 
 from __future__ import annotations
 
-import hmac
 import secrets
-from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, insert, select, tuple_
@@ -15,6 +13,7 @@ from app.core.config import Settings
 from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request, conflict, not_found
 from app.core.ids import new_id
+from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
 from app.core.pagination import ListPage, page
 from app.diagnostics import summary as summaries
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
@@ -26,7 +25,6 @@ from app.diagnostics.schemas import (
 )
 from app.diagnostics.state import TERMINAL, DiagnosticStatus, transition
 from app.idempotency import service as idempotency
-from app.internal.service import _leased_job, lease_is_live, release_lease
 from app.jobs import service as jobs
 from app.jobs.models import Job
 from app.jobs.schemas import JobError, OpenModelOptions
@@ -107,7 +105,7 @@ def cancel(*, session: Session, project_id: str, diagnostic_id: str) -> Diagnost
     if diagnostic.job_id is not None and diagnostic.status not in {s.value for s in TERMINAL}:
         raise conflict(f"Diagnostic '{diagnostic.id}' runs before job '{diagnostic.job_id}'; cancel the job instead.",
                        code="diagnostic_owned_by_job", param="diagnostic_id")
-    transition(diagnostic, S.CANCELLED, action="cancel")
+    transition(session, diagnostic, S.CANCELLED, action="cancel")
     refresh_result(session, diagnostic)  # what was run so far stays readable
     return to_schema(diagnostic)
 
@@ -153,39 +151,6 @@ def refresh_result(session: Session, diagnostic: Diagnostic) -> None:
 
 # --- the worker side ------------------------------------------------------------------------
 
-def _locked(session: Session, diagnostic_id: str) -> Diagnostic:
-    diagnostic = session.scalar(select(Diagnostic).where(Diagnostic.id == diagnostic_id).with_for_update())
-    if diagnostic is None:
-        raise not_found("diagnostic", diagnostic_id, param="diagnostic_id")
-    return diagnostic
-
-
-def _holds(diagnostic: Diagnostic, lease_id: str) -> bool:
-    return diagnostic.lease_id is not None and hmac.compare_digest(diagnostic.lease_id.encode(), lease_id.encode())
-
-
-def _leased(session: Session, diagnostic_id: str, lease_id: str) -> Diagnostic:
-    diagnostic = _locked(session, diagnostic_id)
-    if not _holds(diagnostic, lease_id):
-        raise conflict(f"Lease '{lease_id}' no longer holds diagnostic '{diagnostic_id}' (it expired and the "
-                       "diagnostic was re-queued or taken over, or it finished). Stop working on it.",
-                       code="lease_lost", param="lease_id")
-    return diagnostic
-
-
-def _start_or_take_over(diagnostic: Diagnostic, worker_id: str, now: datetime) -> None:
-    owner = diagnostic.lease_owner if diagnostic.lease_id else None
-    if diagnostic.status == S.QUEUED.value:
-        transition(diagnostic, S.RUNNING)
-    elif diagnostic.status == S.RUNNING.value:
-        if owner is not None and owner != worker_id and lease_is_live(diagnostic, now):
-            raise conflict(f"Diagnostic '{diagnostic.id}' is running on worker {owner}, whose lease is live; "
-                           "try later.", code="lease_held")
-    else:
-        raise conflict(f"Diagnostic '{diagnostic.id}' cannot be claimed: its status is '{diagnostic.status}'.",
-                       code="not_claimable", param="status")
-
-
 def done_samples(session: Session, diagnostic: Diagnostic) -> list[int]:
     """Samples with every run stored: a worker that takes over skips them."""
     stmt = (select(DiagnosticRollout.sample_index).where(DiagnosticRollout.diagnostic_id == diagnostic.id)
@@ -195,12 +160,9 @@ def done_samples(session: Session, diagnostic: Diagnostic) -> list[int]:
 
 
 def claim(*, session: Session, settings: Settings, diagnostic_id: str, worker_id: str) -> dict[str, Any]:
-    diagnostic, now = _locked(session, diagnostic_id), utcnow()
-    _start_or_take_over(diagnostic, worker_id, now)
-    if diagnostic.lease_id is None or diagnostic.lease_owner != worker_id:
-        diagnostic.lease_id = new_id("lease_")
-    diagnostic.lease_owner = worker_id
-    diagnostic.lease_expires_at = now + timedelta(seconds=settings.lease_seconds)
+    diagnostic = locked_run(session, Diagnostic, diagnostic_id)
+    claim_run(diagnostic, worker_id, lease_seconds=settings.lease_seconds, now=utcnow(),
+              start=lambda: transition(session, diagnostic, S.RUNNING))
     return {"lease_id": diagnostic.lease_id, "lease_expires_at": unix(diagnostic.lease_expires_at), "diagnostic": {
         "id": diagnostic.id, "project_id": diagnostic.project_id, "job_id": diagnostic.job_id,
         "model": diagnostic.model, "training_file": diagnostic.training_file, "method": diagnostic.method,
@@ -216,8 +178,8 @@ def _job_is_over(session: Session, diagnostic: Diagnostic) -> bool:
 
 
 def heartbeat(*, session: Session, settings: Settings, diagnostic_id: str, lease_id: str) -> dict[str, Any]:
-    diagnostic = _leased(session, diagnostic_id, lease_id)
-    diagnostic.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_seconds)
+    diagnostic = leased_run(session, Diagnostic, diagnostic_id, lease_id)
+    diagnostic.extend_lease(settings.lease_seconds)
     stop = diagnostic.status == S.CANCELLED.value or _job_is_over(session, diagnostic)
     return {"action": "cancel" if stop else "continue", "lease_expires_at": unix(diagnostic.lease_expires_at)}
 
@@ -230,7 +192,7 @@ def _tool_call_count(record: dict[str, Any]) -> int:
 def push_rollouts(*, session: Session, diagnostic_id: str, lease_id: str, records: list[dict[str, Any]],
                   samples_total: int | None, load_basis: dict[str, Any] | None) -> dict[str, int]:
     """Store new runs (a (sample, run) or trace id already stored is skipped) and the progress."""
-    diagnostic = _leased(session, diagnostic_id, lease_id)
+    diagnostic = leased_run(session, Diagnostic, diagnostic_id, lease_id)
     if samples_total is not None:
         diagnostic.samples_total = samples_total
     if load_basis is not None:
@@ -259,20 +221,17 @@ def push_rollouts(*, session: Session, diagnostic_id: str, lease_id: str, record
 
 def finish(*, session: Session, diagnostic_id: str, lease_id: str, status: str,
            error: dict[str, Any] | None) -> dict[str, Any]:
-    diagnostic = _locked(session, diagnostic_id)
-    if not _holds(diagnostic, lease_id):
-        released = diagnostic.released_lease_id
-        if released is not None and hmac.compare_digest(released.encode(), lease_id.encode()):
-            return {"status": diagnostic.status}  # a retried finish
-        _leased(session, diagnostic_id, lease_id)  # raises lease_lost
+    diagnostic, retried = finishing_run(session, Diagnostic, diagnostic_id, lease_id)
+    if retried:
+        return {"status": diagnostic.status}
     if diagnostic.status == S.RUNNING.value:
         target = S(status)
         if target == S.FAILED:
             error = error or {"code": "worker_error", "message": "The worker reported a failure without details.",
                               "param": None}
-        transition(diagnostic, target, error=error if target == S.FAILED else None)
+        transition(session, diagnostic, target, error=error if target == S.FAILED else None)
     refresh_result(session, diagnostic)
-    release_lease(diagnostic, remember=True)
+    diagnostic.release_lease(remember=True)
     return {"status": diagnostic.status}
 
 
@@ -293,7 +252,7 @@ def job_options(job: Job) -> Any:
 def diagnostic_for_job(*, session: Session, job_id: str, lease_id: str) -> dict[str, Any]:
     """The diagnostic a job runs before training: the one it recorded unless that one was
     cancelled or failed (a paused and resumed job), else a new one, recorded on the job."""
-    job = _leased_job(session, job_id, lease_id)
+    job = leased_run(session, Job, job_id, lease_id)
     options = job_options(job)
     if options is None:
         raise bad_request(f"Job '{job_id}' has no x_open_model.diagnostic option.", param="job_id")

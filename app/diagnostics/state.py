@@ -1,12 +1,14 @@
-"""The diagnostic's state machine: the only place a diagnostic's status changes."""
+"""The diagnostic's state machine (app/core/lifecycle.StateMachine): the only place a
+diagnostic's status changes."""
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+
+from sqlalchemy.orm import Session
 
 from app.core.db import utcnow
-from app.core.errors import conflict
+from app.core.lifecycle import StateMachine
 from app.diagnostics.models import Diagnostic
 
 
@@ -28,27 +30,16 @@ TRANSITIONS: dict[DiagnosticStatus, frozenset[DiagnosticStatus]] = {
     S.QUEUED: frozenset({S.RUNNING, S.FAILED, S.CANCELLED}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED}),
 }
-# Only the control plane makes this move: a running diagnostic whose worker's lease expired goes
-# back to the queue, and the next worker carries on from the samples already stored.
-SYSTEM_TRANSITIONS: dict[DiagnosticStatus, frozenset[DiagnosticStatus]] = {S.RUNNING: frozenset({S.QUEUED})}
 
 
-def transition(diagnostic: Diagnostic, to: DiagnosticStatus, *, action: str | None = None,
-               error: dict[str, Any] | None = None) -> None:
-    current = DiagnosticStatus(diagnostic.status)
-    allowed = TRANSITIONS.get(current, frozenset())
-    if action is None:
-        allowed |= SYSTEM_TRANSITIONS.get(current, frozenset())
-    if to not in allowed:
-        verb = action or f"move to '{to.value}'"
-        raise conflict(f"Cannot {verb} diagnostic '{diagnostic.id}': its status is '{current.value}'.",
-                       code="invalid_diagnostic_status", param="status")
-    diagnostic.status = to.value
+def _on_move(_session: Session, diagnostic: Diagnostic, _previous: DiagnosticStatus, to: DiagnosticStatus) -> None:
     if to == S.RUNNING and diagnostic.started_at is None:
         diagnostic.started_at = utcnow()
-    if to in TERMINAL:
-        diagnostic.finished_at = utcnow()
-    if error is not None:
-        diagnostic.error = error
-    if to == S.QUEUED:
-        diagnostic.enqueued_at = None  # (re)sent to the broker after the commit
+
+
+# Only the control plane makes the system move: a running diagnostic whose worker's lease expired
+# goes back to the queue, and the next worker carries on from the samples already stored.
+DIAGNOSTIC_STATES = StateMachine("diagnostic", TRANSITIONS, TERMINAL,
+                                 system_transitions={S.RUNNING: frozenset({S.QUEUED})}, on_move=_on_move)
+# transition(session, diagnostic, to, *, action=None, error=None)
+transition = DIAGNOSTIC_STATES.move

@@ -4,9 +4,7 @@ a check-then-insert cannot race; every write first checks that the caller still 
 
 from __future__ import annotations
 
-import hmac
 import math
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import and_, insert, or_, select
@@ -15,8 +13,8 @@ from sqlalchemy.orm import Session
 from app.auth.models import Project
 from app.core.config import Settings
 from app.core.db import storable_json, unix, utcnow
-from app.core.errors import APIError, bad_request, conflict, not_found
-from app.core.ids import new_id
+from app.core.errors import bad_request, not_found
+from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
 from app.core.pagination import ListPage
 from app.files import service as files
 from app.files.models import StoredFile
@@ -44,7 +42,7 @@ from app.internal.schemas import (
 from app.jobs import service as jobs
 from app.jobs import step_metrics
 from app.jobs.models import Checkpoint, Job
-from app.jobs.state import TRANSITIONS, JobStatus, add_event, transition
+from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.webhooks import outbox
 from app.webhooks.events import CHECKPOINT_CREATED
 
@@ -53,59 +51,7 @@ KEPT_BEST_CHECKPOINTS = 3
 MAX_METRIC_KEY = 255
 
 
-# --- leases -------------------------------------------------------------------------------
-
-def _aware(ts: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; they are UTC here."""
-    return ts.replace(tzinfo=timezone.utc) if ts is not None and ts.tzinfo is None else ts
-
-
-def lease_is_live(job: Job, now: datetime) -> bool:
-    expires = _aware(job.lease_expires_at)
-    return job.lease_id is not None and expires is not None and expires > now
-
-
-def _locked_job(session: Session, job_id: str) -> Job:
-    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
-    if job is None:
-        raise not_found("fine-tuning job", job_id, param="job_id")
-    return job
-
-
-def _holds_lease(job: Job, lease_id: str) -> bool:
-    return job.lease_id is not None and hmac.compare_digest(job.lease_id.encode(), lease_id.encode())
-
-
-def _lease_lost(job_id: str, lease_id: str) -> APIError:
-    return conflict(
-        f"Lease '{lease_id}' no longer holds job '{job_id}' (it expired and the job was re-queued or taken "
-        "over, or the job finished). Stop working on this job.",
-        code="lease_lost", param="lease_id",
-    )
-
-
-def _leased_job(session: Session, job_id: str, lease_id: str) -> Job:
-    """The job, locked, if `lease_id` is still its lease; else 409 lease_lost. A lease past its
-    expiry still counts until the watchdog or another worker takes it: a late heartbeat is
-    not a lost job."""
-    job = _locked_job(session, job_id)
-    if not _holds_lease(job, lease_id):
-        raise _lease_lost(job_id, lease_id)
-    return job
-
-
-def _grant_lease(job: Job, worker_id: str, settings: Settings, now: datetime) -> None:
-    if job.lease_id is None or job.lease_owner != worker_id:
-        job.lease_id = new_id("lease_")
-    job.lease_owner = worker_id
-    job.lease_expires_at = now + timedelta(seconds=settings.lease_seconds)
-
-
-def release_lease(job: Job, *, remember: bool) -> None:
-    if remember:
-        job.released_lease_id = job.lease_id
-    job.lease_id = job.lease_owner = job.lease_expires_at = None
-
+# --- claim and heartbeat ------------------------------------------------------------------
 
 def _project_name(session: Session, job: Job) -> str:
     return session.scalar(select(Project.name).where(Project.id == job.project_id)) or ""
@@ -116,29 +62,11 @@ def _note_takeover(session: Session, job: Job, previous_owner: str | None, worke
               level="warn", data={"previous_worker": previous_owner, "worker": worker_id})
 
 
-def _start_or_take_over(session: Session, job: Job, worker_id: str, now: datetime) -> None:
-    """Queued: start it. Running: take it over only if its worker's lease has expired."""
-    previous_owner = job.lease_owner if job.lease_id else None
-    someone_else = previous_owner is not None and previous_owner != worker_id
-    if job.status == S.RUNNING.value:
-        if someone_else and lease_is_live(job, now):
-            raise conflict(f"Job '{job.id}' is running on worker {previous_owner}, whose lease is live; try later.",
-                           code="lease_held")
-        if previous_owner is None or someone_else:
-            _note_takeover(session, job, previous_owner, worker_id)
-    elif job.status == S.QUEUED.value:
-        if someone_else:  # e.g. paused and resumed before the old worker gave its lease back
-            _note_takeover(session, job, previous_owner, worker_id)
-        transition(session, job, S.RUNNING, message=f"Job started on worker {worker_id}")
-    else:
-        raise conflict(f"Job '{job.id}' cannot be claimed: its status is '{job.status}'.", code="not_claimable",
-                       param="status")
-
-
 def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) -> ClaimResponse:
-    job, now = _locked_job(session, job_id), utcnow()
-    _start_or_take_over(session, job, worker_id, now)
-    _grant_lease(job, worker_id, settings, now)
+    job = locked_run(session, Job, job_id)
+    claim_run(job, worker_id, lease_seconds=settings.lease_seconds, now=utcnow(),
+              start=lambda: transition(session, job, S.RUNNING, message=f"Job started on worker {worker_id}"),
+              took_over=lambda previous: _note_takeover(session, job, previous, worker_id))
     return ClaimResponse(lease_id=job.lease_id, lease_expires_at=unix(job.lease_expires_at), job=ClaimedJob(
         id=job.id, project_id=job.project_id, project_name=_project_name(session, job), model=job.model,
         training_file=job.training_file, validation_file=job.validation_file, method=job.method, seed=job.seed,
@@ -148,8 +76,8 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
 
 
 def heartbeat(*, session: Session, settings: Settings, job_id: str, lease_id: str) -> HeartbeatResponse:
-    job = _leased_job(session, job_id, lease_id)
-    job.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_seconds)
+    job = leased_run(session, Job, job_id, lease_id)
+    job.extend_lease(settings.lease_seconds)
     action = {S.CANCELLED.value: "cancel", S.PAUSED.value: "pause"}.get(job.status, "continue")
     return HeartbeatResponse(action=action, lease_expires_at=unix(job.lease_expires_at))
 
@@ -188,7 +116,7 @@ def _step_message(data: dict[str, Any]) -> str:
 
 
 def push_step(*, session: Session, job_id: str, step: int, body: StepPush) -> StepResult:
-    job = _leased_job(session, job_id, body.lease_id)
+    job = leased_run(session, Job, job_id, body.lease_id)
     if body.metrics.step is not None and body.metrics.step != step:
         raise bad_request(f"metrics.step is {body.metrics.step} but the URL names step {step}.", param="metrics.step")
     if session.scalar(select(JobStep.seq).where(JobStep.job_id == job_id, JobStep.step == step)) is not None:
@@ -209,7 +137,7 @@ def push_step(*, session: Session, job_id: str, step: int, body: StepPush) -> St
 
 
 def push_event(*, session: Session, job_id: str, body: EventPush) -> EventResult:
-    job = _leased_job(session, job_id, body.lease_id)
+    job = leased_run(session, Job, job_id, body.lease_id)
     known = session.scalar(select(WorkerEventKey.event_id).where(WorkerEventKey.job_id == job_id,
                                                                  WorkerEventKey.key == body.key))
     if known is not None:
@@ -227,7 +155,7 @@ def _tool_call_count(record: dict[str, Any]) -> int:
 
 
 def push_rollouts(*, session: Session, job_id: str, body: RolloutPush) -> RolloutResult:
-    _leased_job(session, job_id, body.lease_id)
+    leased_run(session, Job, job_id, body.lease_id)
     records: dict[str, RolloutRecord] = {}
     for record in body.records:
         records.setdefault(record.trace_id, record)  # the first of duplicates within one push wins
@@ -272,7 +200,7 @@ def prune_checkpoints(session: Session, job_id: str) -> list[str]:
 
 
 def push_checkpoint(*, session: Session, job_id: str, step: int, body: CheckpointPush) -> CheckpointResult:
-    job = _leased_job(session, job_id, body.lease_id)
+    job = leased_run(session, Job, job_id, body.lease_id)
     existing = session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step_number == step))
     if existing is not None:
         return CheckpointResult(id=existing, created=False, delete_paths=[])
@@ -289,7 +217,7 @@ def push_checkpoint(*, session: Session, job_id: str, step: int, body: Checkpoin
 
 
 def record_state(*, session: Session, job_id: str, body: StatePush) -> StateResult:
-    job = _leased_job(session, job_id, body.lease_id)
+    job = leased_run(session, Job, job_id, body.lease_id)
     job.completed_steps = body.completed_steps
     job.resume_state = body.resume_state
     if body.resolved_hyperparameters is not None:
@@ -302,7 +230,7 @@ def record_state(*, session: Session, job_id: str, body: StatePush) -> StateResu
 # --- the end of a run ---------------------------------------------------------------------
 
 def _can_move(job: Job, to: JobStatus) -> bool:
-    return to in TRANSITIONS.get(JobStatus(job.status), frozenset())
+    return JOB_STATES.allows(JobStatus(job.status), to)
 
 
 def _succeed(session: Session, job: Job, storage: Storage) -> None:
@@ -350,12 +278,9 @@ def _stop(session: Session, job: Job, body: FinishPush) -> None:
 
 
 def finish(*, session: Session, storage: Storage, job_id: str, body: FinishPush) -> FinishResult:
-    job = _locked_job(session, job_id)
-    if not _holds_lease(job, body.lease_id):
-        released = job.released_lease_id
-        if released is not None and hmac.compare_digest(released.encode(), body.lease_id.encode()):
-            return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)  # a retried finish
-        raise _lease_lost(job_id, body.lease_id)
+    job, retried = finishing_run(session, Job, job_id, body.lease_id)
+    if retried:
+        return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)
     if body.trained_tokens is not None:
         job.trained_tokens = body.trained_tokens
     if body.status == "succeeded":
@@ -364,7 +289,7 @@ def finish(*, session: Session, storage: Storage, job_id: str, body: FinishPush)
         _fail(session, job, body)
     else:
         _stop(session, job, body)
-    release_lease(job, remember=True)
+    job.release_lease(remember=True)
     return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)
 
 

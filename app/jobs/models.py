@@ -7,10 +7,14 @@ from sqlalchemy import BigInteger, DateTime, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.core.db import Base, BigIntPK, JSONType, StorableText, utcnow
+from app.core.lifecycle import LeasedRun
 
 
-class Job(Base):
+class Job(LeasedRun, Base):
+    """A fine-tuning job; its lease columns (enqueued_at, lease_*) come from LeasedRun."""
+
     __tablename__ = "jobs"
+    noun, id_param = "fine-tuning job", "job_id"
 
     seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True)
@@ -33,14 +37,6 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     estimated_finish: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # Set once the broker accepted the job's task; a queued job without it is re-sent at start-up.
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # The worker lease (app/internal): who runs the job and until when, unless it heartbeats.
-    lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # The last lease given back by a finish call, so that a retried finish is recognised.
-    released_lease_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # Where a new worker resumes: the saved training state and the steps it covers.
     resume_state: Mapped[str | None] = mapped_column(Text, nullable=True)
     completed_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -1,4 +1,5 @@
-"""The job state machine: the only place a job's status changes. Every change writes an event."""
+"""The job state machine (app/core/lifecycle.StateMachine): the only place a job's status
+changes. Every change writes an event and the webhook outbox row."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app.core.db import utcnow
-from app.core.errors import conflict
 from app.core.ids import new_id
+from app.core.lifecycle import StateMachine
 from app.jobs.models import Job, JobEvent
 from app.webhooks import outbox
 
@@ -34,9 +34,6 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     S.RUNNING: frozenset({S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.PAUSED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
 }
-# Moves only the control plane makes, never a user action: a running job whose worker's lease
-# expired goes back to the queue (app/internal/watchdog.py); "resume" of a running job stays refused.
-SYSTEM_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {S.RUNNING: frozenset({S.QUEUED})}
 
 # User actions and the status each one moves a job to.
 ACTIONS: dict[str, JobStatus] = {"pause": S.PAUSED, "resume": S.QUEUED, "cancel": S.CANCELLED}
@@ -51,27 +48,16 @@ def add_event(
     return event
 
 
-def transition(
-    session: Session, job: Job, to: JobStatus, *, message: str, action: str | None = None,
-    level: str = "info", error: dict[str, Any] | None = None,
-) -> None:
-    current = JobStatus(job.status)
-    allowed = TRANSITIONS.get(current, frozenset())
-    if action is None:
-        allowed |= SYSTEM_TRANSITIONS.get(current, frozenset())
-    if to not in allowed:
-        verb = action or f"move to '{to.value}'"
-        raise conflict(
-            f"Cannot {verb} job '{job.id}': its status is '{current.value}'.",
-            code="invalid_job_status", param="status",
-        )
-    job.status = to.value
-    if to in TERMINAL:
-        job.finished_at = utcnow()
-    if error is not None:
-        job.error = error
-    if to == S.QUEUED:
-        job.enqueued_at = None  # (re)sent to the broker after the commit
-    add_event(session, job, message, level=level, data={"status": to.value, "previous_status": current.value})
+def _on_move(session: Session, job: Job, previous: JobStatus, to: JobStatus, *, message: str,
+             level: str = "info") -> None:
+    add_event(session, job, message, level=level, data={"status": to.value, "previous_status": previous.value})
     # Webhook events (succeeded, failed, cancelled, paused) are written in this same transaction.
     outbox.job_status_changed(session, project_id=job.project_id, job_id=job.id, status=to.value)
+
+
+# Moves only the control plane makes, never a user action: a running job whose worker's lease
+# expired goes back to the queue (app/internal/watchdog.py); "resume" of a running job stays refused.
+JOB_STATES = StateMachine("job", TRANSITIONS, TERMINAL, system_transitions={S.RUNNING: frozenset({S.QUEUED})},
+                          on_move=_on_move)
+# transition(session, job, to, *, message, action=None, level="info", error=None)
+transition = JOB_STATES.move

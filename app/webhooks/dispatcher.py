@@ -6,7 +6,6 @@ deliveries a crashed process committed but never handed over."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -46,29 +45,11 @@ def dispatch_due(factory: sessionmaker[Session], send: Callable[[str], Any], *, 
     return sent
 
 
-class WebhookSweeper(threading.Thread):
-    """Runs `dispatch_due` at start-up and then every `interval_s` seconds until stopped."""
-
-    def __init__(self, factory: sessionmaker[Session], send: Callable[[str], Any], *, interval_s: float,
-                 redispatch_after_s: float) -> None:
-        super().__init__(name="webhook-sweeper", daemon=True)
-        self.factory, self.send = factory, send
-        self.interval_s, self.redispatch_after_s = interval_s, redispatch_after_s
-        self._stopped = threading.Event()
-
-    def run(self) -> None:
-        startup = True
-        while not self._stopped.is_set():
-            try:
-                sent = dispatch_due(self.factory, self.send, redispatch_after_s=self.redispatch_after_s,
-                                    startup=startup)
-                if sent and startup:
-                    log.info("handed %d pending webhook deliveries to the broker at start-up", len(sent))
-                startup = False
-            except Exception:  # noqa: BLE001 - the sweeper must outlive a database or broker outage
-                log.exception("webhook sweep failed")
-            self._stopped.wait(self.interval_s)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stopped.set()
-        self.join(timeout)
+def sweep(factory: sessionmaker[Session], send: Callable[[str], Any], *, redispatch_after_s: float,
+          first: bool) -> list[str]:
+    """One round of the sweeper (app/core/lifecycle.PeriodicLoop): the first, at start-up, hands
+    over every pending due delivery, whether or not it was handed over before."""
+    sent = dispatch_due(factory, send, redispatch_after_s=redispatch_after_s, startup=first)
+    if sent and first:
+        log.info("handed %d pending webhook deliveries to the broker at start-up", len(sent))
+    return sent

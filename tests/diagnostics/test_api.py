@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app.core.db import make_engine, make_session_factory, utcnow
-from app.diagnostics.watchdog import expire_leases
+from app.diagnostics.watchdog import expire_diagnostic_leases as expire_leases
 from tests.conftest import Api, job_body, make_project, question_rows, wait_for
 from tests.test_internal import Worker
 
