@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,44 +27,43 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-@celery_app.task(name=RUN_JOB_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=360)
-def run_job(self, job_id: str) -> dict[str, Any]:  # noqa: ANN001
+def _run_claimed(task: Any, kind: str, run_id: str, claim: Callable[[ControlPlaneClient], Claim],
+                 work: Callable[[ControlPlaneClient, Claim, Any], dict[str, Any]]) -> dict[str, Any]:
+    """What every leased task does: claim `run_id` under a lease, then `work`. A lease another
+    worker still holds (e.g. saving state after a pause) retries the task later; a run that can no
+    longer be claimed (it ended meanwhile) is skipped."""
     from app.core.config import get_settings
 
     settings = get_settings()
     client = ControlPlaneClient(settings.api_url, settings.worker_token.get_secret_value())
     try:
         try:
-            claim = client.claim(job_id, worker_id())
-        except LeaseHeld as exc:  # another worker still holds it (e.g. saving state after a pause)
-            raise self.retry(countdown=LEASE_RETRY_COUNTDOWN_S, exc=exc) from exc
+            claimed = claim(client)
+        except LeaseHeld as exc:
+            raise task.retry(countdown=LEASE_RETRY_COUNTDOWN_S, exc=exc) from exc
         except NotClaimable as exc:
-            log.info("job %s not claimable: %s", job_id, exc.message)
-            return {"job_id": job_id, "status": "skipped", "reason": exc.message}
-        return JobRun(client, claim, settings).run()
+            log.info("%s %s not claimable: %s", kind, run_id, exc.message)
+            return {f"{kind}_id": run_id, "status": "skipped", "reason": exc.message}
+        return work(client, claimed, settings)
     finally:
         client.close()
+
+
+@celery_app.task(name=RUN_JOB_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=360)
+def run_job(self, job_id: str) -> dict[str, Any]:  # noqa: ANN001
+    return _run_claimed(self, "job", job_id, lambda client: client.claim(job_id, worker_id()),
+                        lambda client, claim, settings: JobRun(client, claim, settings).run())
 
 
 @celery_app.task(name=RUN_DIAGNOSTIC_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=360)
 def run_diagnostic(self, diagnostic_id: str) -> dict[str, Any]:  # noqa: ANN001
     """A variance diagnostic (docs/diagnostics.md): every sample run several times, graded, pushed."""
-    from app.core.config import get_settings
 
-    settings = get_settings()
-    client = ControlPlaneClient(settings.api_url, settings.worker_token.get_secret_value())
-    try:
-        try:
-            claim = client.claim_diagnostic(diagnostic_id, worker_id())
-        except LeaseHeld as exc:
-            raise self.retry(countdown=LEASE_RETRY_COUNTDOWN_S, exc=exc) from exc
-        except NotClaimable as exc:
-            log.info("diagnostic %s not claimable: %s", diagnostic_id, exc.message)
-            return {"diagnostic_id": diagnostic_id, "status": "skipped", "reason": exc.message}
-        status = asyncio.run(DiagnosticRun(client, claim, settings).run())
-        return {"diagnostic_id": diagnostic_id, "status": status}
-    finally:
-        client.close()
+    def work(client: ControlPlaneClient, claim: Claim, settings: Any) -> dict[str, Any]:
+        return {"diagnostic_id": diagnostic_id, "status": asyncio.run(DiagnosticRun(client, claim, settings).run())}
+
+    return _run_claimed(self, "diagnostic", diagnostic_id,
+                        lambda client: client.claim_diagnostic(diagnostic_id, worker_id()), work)
 
 
 class JobRun:

@@ -14,7 +14,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.db import utcnow
-from app.webhooks.models import WebhookDelivery
+from app.webhooks.models import DeliveryState, WebhookDelivery
 
 log = logging.getLogger(__name__)
 BATCH = 500
@@ -27,7 +27,7 @@ def dispatch_due(factory: sessionmaker[Session], send: Callable[[str], Any], *, 
     now = now or utcnow()
     d = WebhookDelivery
     stmt = select(d).where(
-        d.state == "pending", d.next_attempt_at <= now, or_(d.locked_until.is_(None), d.locked_until < now))
+        d.state == DeliveryState.PENDING, d.next_attempt_at <= now, or_(d.locked_until.is_(None), d.locked_until < now))
     if not startup:
         stmt = stmt.where(or_(d.dispatched_at.is_(None), d.dispatched_at < now - timedelta(seconds=redispatch_after_s)))
     sent: list[str] = []

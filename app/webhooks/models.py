@@ -4,6 +4,8 @@ delivery per subscribed endpoint, one attempt row per try."""
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
+
 from sqlalchemy import DateTime, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -44,6 +46,14 @@ class WebhookEvent(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class DeliveryState(StrEnum):
+    """Where a delivery stands: due (or being attempted), received by the endpoint, or given up."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
 class WebhookDelivery(Base):
     """One event to one endpoint. Its id is the `webhook-id` header of every attempt.
 
@@ -58,7 +68,7 @@ class WebhookDelivery(Base):
     id: Mapped[str] = mapped_column(String(64), unique=True)
     event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True)
     endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=DeliveryState.PENDING.value)
     attempt_count: Mapped[int] = mapped_column(Integer, default=0)
     # attempt_count when the retry schedule last (re)started: at creation and at a manual redeliver.
     schedule_start: Mapped[int] = mapped_column(Integer, default=0)

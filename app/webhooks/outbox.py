@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.core.db import unix, utcnow
 from app.core.ids import new_id
 from app.webhooks.events import EVENT_FOR_STATUS, event_body
-from app.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
+from app.webhooks.models import DeliveryState, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 log = logging.getLogger(__name__)
 _TO_SEND = "webhook_deliveries_to_send"
@@ -50,7 +50,7 @@ def record_event(session: Session, *, project_id: str, event_type: str, data: di
     session.flush()  # the deliveries' foreign key needs the event row first
     for endpoint in endpoints:
         delivery = WebhookDelivery(id=new_id("wh_"), event_id=webhook_event.id, endpoint_id=endpoint.id,
-                                   state="pending", attempt_count=0, schedule_start=0, next_attempt_at=at,
+                                   state=DeliveryState.PENDING, attempt_count=0, schedule_start=0, next_attempt_at=at,
                                    created_at=at)
         session.add(delivery)
         note_for_dispatch(session, delivery)

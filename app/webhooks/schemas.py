@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.core.urls import check_http_url
 from app.webhooks.events import EVENT_TYPES
+from app.webhooks.models import DeliveryState
 
 
 def _known_event_type(value: str) -> str:
@@ -124,7 +125,6 @@ class EventTypeList(BaseModel):
     data: list[str]
 
 
-DeliveryState = Literal["pending", "delivered", "failed"]
 
 
 class DeliveryObject(BaseModel):

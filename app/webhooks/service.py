@@ -22,7 +22,7 @@ from app.core.ids import new_id
 from app.core.pagination import ListPage, page
 from app.core.urls import BlockedURL, guard_url
 from app.webhooks.events import EVENT_TYPES, event_body
-from app.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from app.webhooks.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 from app.webhooks.outbox import note_for_dispatch
 from app.webhooks.schemas import (
     AttemptObject,
@@ -113,8 +113,8 @@ def disable_endpoint(session: Session, ep: WebhookEndpoint, reason: str) -> None
     ep.disabled_at, ep.disabled_reason = now, reason
     session.execute(
         update(WebhookDelivery)
-        .where(WebhookDelivery.endpoint_id == ep.id, WebhookDelivery.state == "pending")
-        .values(state="failed", next_attempt_at=None, last_error=f"Not sent: the endpoint was disabled. {reason}")
+        .where(WebhookDelivery.endpoint_id == ep.id, WebhookDelivery.state == DeliveryState.PENDING)
+        .values(state=DeliveryState.FAILED, next_attempt_at=None, last_error=f"Not sent: the endpoint was disabled. {reason}")
     )
 
 
@@ -201,7 +201,7 @@ def _delivery_objects(session: Session, rows: list[WebhookDelivery]) -> list[Del
         DeliveryObject(
             id=r.id, webhook_endpoint_id=r.endpoint_id, event_id=r.event_id, event_type=events[r.event_id].type,
             status=r.state, attempt_count=r.attempt_count, created_at=unix(r.created_at),
-            next_attempt_at=unix(r.next_attempt_at) if r.state == "pending" else None,
+            next_attempt_at=unix(r.next_attempt_at) if r.state == DeliveryState.PENDING else None,
             delivered_at=unix(r.delivered_at), last_status_code=r.last_status_code, last_error=r.last_error,
             event=json.loads(events[r.event_id].payload),
         )
@@ -258,7 +258,7 @@ def redeliver(*, session: Session, project_id: str, endpoint_id: str, delivery_i
         raise conflict(f"Webhook endpoint '{ep.id}' is disabled ({ep.disabled_reason}); enable it first "
                        "(update it with status 'enabled').", code="webhook_endpoint_disabled", param="status")
     delivery = _delivery_row(session, ep, delivery_id, lock=True)
-    delivery.state = "pending"
+    delivery.state = DeliveryState.PENDING
     delivery.next_attempt_at = utcnow()
     delivery.schedule_start = delivery.attempt_count
     delivery.delivered_at = None
@@ -280,7 +280,7 @@ def _max_attempts(settings: Settings) -> int:
 
 
 def _fail(delivery: WebhookDelivery, error: str) -> None:
-    delivery.state = "failed"
+    delivery.state = DeliveryState.FAILED
     delivery.next_attempt_at = None
     delivery.last_error = error
 
@@ -312,7 +312,7 @@ def claim_delivery(*, session: Session, settings: Settings, delivery_id: str,
     delivery, now = _locked_delivery(session, delivery_id), utcnow()
     delivery.dispatched_at = None  # the broker's message reached a worker
     ep = session.scalar(select(WebhookEndpoint).where(WebhookEndpoint.id == delivery.endpoint_id))
-    if delivery.state != "pending":
+    if delivery.state != DeliveryState.PENDING:
         return _skip(f"the delivery is {delivery.state}")
     if ep is None or ep.disabled_at is not None:
         _fail(delivery, "Not sent: the endpoint was disabled.")
@@ -388,11 +388,11 @@ def report_attempt(*, session: Session, settings: Settings, delivery_id: str,
         current = delivery.claim_id == body.claim_id
         if current:
             delivery.claim_id = delivery.locked_until = None
-        if succeeded and delivery.state != "delivered":  # the endpoint has it, whatever happened meanwhile
-            delivery.state, delivery.delivered_at, delivery.next_attempt_at = "delivered", utcnow(), None
+        if succeeded and delivery.state != DeliveryState.DELIVERED:  # the endpoint has it, whatever happened meanwhile
+            delivery.state, delivery.delivered_at, delivery.next_attempt_at = DeliveryState.DELIVERED, utcnow(), None
             delivery.last_status_code, delivery.last_error = body.status_code, None
-        elif not succeeded and current and delivery.state == "pending":
+        elif not succeeded and current and delivery.state == DeliveryState.PENDING:
             delivery.last_status_code, delivery.last_error = body.status_code, error
             _after_failure(session, settings, delivery, body.status_code, error)
     return AttemptReportResult(delivery_id=delivery.id, status=delivery.state,
-                               next_attempt_at=unix(delivery.next_attempt_at) if delivery.state == "pending" else None)
+                               next_attempt_at=unix(delivery.next_attempt_at) if delivery.state == DeliveryState.PENDING else None)
