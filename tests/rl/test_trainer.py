@@ -26,7 +26,7 @@ from app.jobs.schemas import ReinforcementHyperparameters
 from tests.conftest import serve_app
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
-from workers.rl.advantages import group_advantages
+from workers.rl.advantages import clipped_token_objective, clipped_tokens, group_advantages
 from workers.rl.generation import sequence_logprobs
 from workers.rl.models import LoadedModel, load_model
 from workers.rl.prompting import ChatFormatter
@@ -563,3 +563,19 @@ def test_bad_rows_fail_with_a_clear_message(tmp_path, tools_url):
     outcome, _ = train(tmp_path, tools_url, config(), [{"messages": []}], hooks)
     assert outcome.error["code"] == "training_error"
     assert "training row 1: needs a non-empty 'messages' list" in outcome.error["message"]
+
+
+def test_clip_fraction_counts_the_tokens_the_clip_takes_the_gradient_from():
+    """A token counts as clipped exactly where the PPO objective gives it no gradient: a ratio past
+    1 + eps with a positive advantage, below 1 - eps with a negative one; outside the band on the
+    other side it still learns (the old count, |ratio - 1| > eps, took those too)."""
+    generator = torch.Generator().manual_seed(0)
+    sampled = torch.randn(4, 64, generator=generator) - 3
+    new = (sampled + torch.randn(4, 64, generator=generator) * 0.4).requires_grad_()
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-2.0]])
+    clipped_token_objective(new, sampled, advantages, 0.2).sum().backward()
+    no_gradient = int((new.grad == 0).sum())
+    ratio = (new.detach() - sampled).exp()
+    outside_band = int(((ratio - 1).abs() > 0.2).sum())
+    assert clipped_tokens(ratio, advantages.expand_as(ratio), 0.2) == no_gradient
+    assert 0 < no_gradient < outside_band  # both sides of the band occur, and only one side binds

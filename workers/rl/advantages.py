@@ -70,6 +70,14 @@ def clipped_token_objective(
     return torch.minimum(ratio * advantages, clipped * advantages)
 
 
+def clipped_tokens(ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float) -> int:
+    """How many tokens the PPO clip binds on, i.e. gets no gradient from: a ratio above 1 + epsilon
+    where the advantage is positive, below 1 - epsilon where it is negative (TRL's GRPOTrainer
+    counts the same). A ratio outside the band on the other side still gets its gradient."""
+    binds = ((ratio > 1 + epsilon) & (advantages > 0)) | ((ratio < 1 - epsilon) & (advantages < 0))
+    return int(binds.sum())
+
+
 def k3_kl(new_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(policy ‖ reference) on tokens sampled from the policy:
     exp(ref - new) - (ref - new) - 1 (Schulman's k3: unbiased, always ≥ 0)."""

@@ -43,6 +43,7 @@ from app.graders.core import GraderContext, Sample
 from workers.rl.advantages import (
     LOSS_VARIANTS,
     clipped_token_objective,
+    clipped_tokens,
     group_advantages,
     k3_kl,
     sequence_normaliser,
@@ -802,7 +803,8 @@ class Trainer:
             sampled += int(batch.loss_mask.sum())
             delta = (new.detach() - batch.sampling_logprobs)[batch.loss_mask]
             mismatch += float(delta.abs().sum())
-            clipped += int(((delta.exp() - 1).abs() > epsilon).sum())
+            advantages = batch.advantages.expand_as(batch.loss_mask)[batch.loss_mask]
+            clipped += clipped_tokens(delta.exp(), advantages, epsilon)
             if kl is not None:
                 kl_sum += float(kl.detach()[batch.loss_mask].sum())
                 kl_tokens += int(batch.loss_mask.sum())
