@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from app.auth.service import Principal, authenticate
@@ -55,3 +57,21 @@ def _current_key(request: Request, session: SessionDep) -> Principal:
 
 
 CurrentKey = Annotated[Principal, Depends(_current_key)]
+
+
+_worker_token = HTTPBearer(auto_error=False, scheme_name="WorkerToken",
+                           description="The shared worker token, AGENT_RFT_WORKER_TOKEN.")
+
+
+def require_worker(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_worker_token)]
+) -> None:
+    """The dependency of every `/internal/v1` router: the caller is a worker (the shared token,
+    compared in constant time). Workers serve every project, so nothing here is project-scoped."""
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if credentials is None:
+        raise APIError(401, "This API is for workers: send 'Authorization: Bearer <AGENT_RFT_WORKER_TOKEN>'.",
+                       code="missing_worker_token", headers=challenge)
+    expected = request.app.state.settings.worker_token.get_secret_value()
+    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
+        raise APIError(401, "Incorrect worker token.", code="invalid_worker_token", headers=challenge)

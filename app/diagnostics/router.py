@@ -8,15 +8,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Request
 from pydantic import BaseModel, Field
 
-from app.core.deps import INT32_MAX, CurrentKey, RowIndex, SessionDep, SettingsDep
+from app.core.deps import INT32_MAX, CurrentKey, RowIndex, SessionDep, SettingsDep, require_worker
 from app.core.pagination import ListPage
 from app.diagnostics import pipeline, service
 from app.diagnostics.schemas import DiagnosticCreate, DiagnosticObject, DiagnosticRolloutObject
-from app.internal.router import _require_worker
 from app.internal.schemas import ClaimRequest, FinishError, Leased
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/diagnostics", tags=["diagnostics"])
-internal_router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(_require_worker)])
+internal_router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 
 
 def _validate_later(request: Request, diagnostic_id: str) -> None:

@@ -45,7 +45,7 @@ def to_schema(diagnostic: Diagnostic, *, with_samples: bool = True) -> Diagnosti
         finished_at=unix(diagnostic.finished_at), status=diagnostic.status,
         error=JobError(**diagnostic.error) if diagnostic.error else None, organization_id=diagnostic.project_id,
         model=diagnostic.model, training_file=diagnostic.training_file,
-        method=jobs._public_method(diagnostic.method), runs_per_sample=diagnostic.runs_per_sample,
+        method=jobs.public_method(diagnostic.method), runs_per_sample=diagnostic.runs_per_sample,
         max_samples=diagnostic.max_samples, seed=diagnostic.seed, metadata=diagnostic.user_metadata,
         fine_tuning_job_id=diagnostic.job_id,
         progress=DiagnosticProgress(

@@ -4,15 +4,13 @@ a job's rollouts, this service's extension of `/v1/fine_tuning/jobs`."""
 
 from __future__ import annotations
 
-import hmac
 import itertools
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep, require_worker
 from app.core.errors import APIError
 from app.core.pagination import ListPage
 from app.internal import service
@@ -37,23 +35,7 @@ from app.internal.schemas import (
     StepResult,
 )
 
-_worker_token = HTTPBearer(auto_error=False, scheme_name="WorkerToken",
-                           description="The shared worker token, AGENT_RFT_WORKER_TOKEN.")
-
-
-def _require_worker(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_worker_token)]
-) -> None:
-    challenge = {"WWW-Authenticate": "Bearer"}
-    if credentials is None:
-        raise APIError(401, "This API is for workers: send 'Authorization: Bearer <AGENT_RFT_WORKER_TOKEN>'.",
-                       code="missing_worker_token", headers=challenge)
-    expected = request.app.state.settings.worker_token.get_secret_value()
-    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise APIError(401, "Incorrect worker token.", code="invalid_worker_token", headers=challenge)
-
-
-router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(_require_worker)])
+router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 public_router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 Step = Annotated[int, Path(ge=0)]
 

@@ -37,7 +37,7 @@ def mask_secret(value: str) -> str:
     return "****" + value[-4:] if len(value) >= 12 else "****"
 
 
-def _public_method(method: dict[str, Any]) -> dict[str, Any]:
+def public_method(method: dict[str, Any]) -> dict[str, Any]:
     reinforcement = method.get("reinforcement") or {}
     tools = [
         {**tool, "headers": {k: mask_secret(v) for k, v in (tool.get("headers") or {}).items()}}
@@ -69,7 +69,7 @@ def to_schema(job: Job) -> JobObject:
         model=job.model, organization_id=job.project_id, result_files=list(job.result_files or []), seed=job.seed,
         status=job.status, trained_tokens=job.trained_tokens, training_file=job.training_file,
         validation_file=job.validation_file, estimated_finish=unix(job.estimated_finish),
-        metadata=job.user_metadata, method=_public_method(method), suffix=job.suffix,
+        metadata=job.user_metadata, method=public_method(method), suffix=job.suffix,
         diagnostic_id=job.diagnostic_id,
     )
 

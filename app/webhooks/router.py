@@ -7,9 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, SessionDep, SettingsDep, require_worker
 from app.core.pagination import ListPage
-from app.internal.router import _require_worker
 from app.webhooks import service
 from app.webhooks.schemas import (
     AttemptObject,
@@ -31,7 +30,7 @@ from app.webhooks.schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["webhooks"])
-internal_router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(_require_worker)])
+internal_router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
