@@ -85,9 +85,10 @@ def _same_secret(stored: str | None, given: str) -> bool:
 
 
 class LeasedRun:
-    """Mixin of a table whose rows workers run under a lease. `noun` names a row in errors
-    ("fine-tuning job"), `id_param` the request field that carries its id."""
+    """Mixin of a table whose rows workers run under a lease. `kind` names a row in lease errors
+    ("job"), `noun` in a 404 ("fine-tuning job"), `id_param` the request field that carries its id."""
 
+    kind: ClassVar[str]
     noun: ClassVar[str]
     id_param: ClassVar[str]
 
@@ -140,8 +141,7 @@ def locked_run(session: Session, model: type[Run], run_id: str) -> Run:
 
 
 def lease_lost(row: LeasedRun, lease_id: str) -> APIError:
-    kind = row.noun.split()[-1]
-    return conflict(f"Lease '{lease_id}' no longer holds {kind} '{row.id}' (it expired and the {kind} was "
+    return conflict(f"Lease '{lease_id}' no longer holds {row.kind} '{row.id}' (it expired and the {row.kind} was "
                     "re-queued or taken over, or it finished). Stop working on it.",
                     code="lease_lost", param="lease_id")
 
@@ -176,10 +176,9 @@ def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: date
     gave its lease back) counts too. Any other status: 409 not_claimable."""
     previous = row.lease_holder
     someone_else = previous is not None and previous != worker_id
-    kind = row.noun.split()[-1]
     if row.status == RUNNING:
         if someone_else and row.lease_is_live(now):
-            raise conflict(f"{kind.capitalize()} '{row.id}' is running on worker {previous}, whose lease is live; "
+            raise conflict(f"{row.kind.capitalize()} '{row.id}' is running on worker {previous}, whose lease is live; "
                            "try later.", code="lease_held")
         if took_over is not None and (previous is None or someone_else):
             took_over(previous)
@@ -188,7 +187,7 @@ def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: date
             took_over(previous)
         start()
     else:
-        raise conflict(f"{kind.capitalize()} '{row.id}' cannot be claimed: its status is '{row.status}'.",
+        raise conflict(f"{row.kind.capitalize()} '{row.id}' cannot be claimed: its status is '{row.status}'.",
                        code="not_claimable", param="status")
     row.grant_lease(worker_id, lease_seconds, now)
 

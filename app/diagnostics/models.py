@@ -16,7 +16,7 @@ class Diagnostic(LeasedRun, Base):
     """A variance diagnostic; its lease columns (enqueued_at, lease_*) come from LeasedRun."""
 
     __tablename__ = "diagnostics"
-    noun, id_param = "diagnostic", "diagnostic_id"
+    kind, noun, id_param = "diagnostic", "diagnostic", "diagnostic_id"
 
     seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True)

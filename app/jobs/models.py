@@ -14,7 +14,7 @@ class Job(LeasedRun, Base):
     """A fine-tuning job; its lease columns (enqueued_at, lease_*) come from LeasedRun."""
 
     __tablename__ = "jobs"
-    noun, id_param = "fine-tuning job", "job_id"
+    kind, noun, id_param = "job", "fine-tuning job", "job_id"
 
     seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True)
