@@ -16,23 +16,23 @@ from app.core.lifecycle import PeriodicLoop
 from app.core.migrations import ensure_schema
 from app.core.queue import JobQueue
 from app.diagnostics import pipeline as diagnostics_pipeline
-from app.diagnostics.router import internal_router as diagnostics_internal_router
 from app.diagnostics.router import router as diagnostics_router
 from app.diagnostics.watchdog import expire_diagnostic_leases
+from app.diagnostics.worker_router import router as diagnostics_worker_router
 from app.dashboard import install as install_dashboard
 from app.files.router import router as files_router
 from app.files.storage import LocalStorage
+from app.files.worker_router import router as files_worker_router
 from app.graders.router import router as graders_router
-from app.internal.router import public_router as rollouts_router
-from app.internal.router import router as internal_router
-from app.internal.watchdog import expire_job_leases
 from app.jobs import pipeline
 from app.jobs.router import router as jobs_router
+from app.jobs.watchdog import expire_job_leases
+from app.jobs.worker_router import router as jobs_worker_router
 from app.serving.router import router as serving_router
 from app.webhooks.dispatcher import sweep
 from app.webhooks.outbox import install_dispatch
-from app.webhooks.router import internal_router as webhooks_internal_router
 from app.webhooks.router import router as webhooks_router
+from app.webhooks.worker_router import router as webhooks_worker_router
 
 log = logging.getLogger(__name__)
 MULTIPART_OVERHEAD = 64 * 1024
@@ -109,16 +109,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_dispatch(app.state.session_factory, app.state.queue.enqueue_webhook)
     install_error_handlers(app)
     app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
-    app.include_router(files_router)
-    app.include_router(jobs_router)
-    app.include_router(graders_router)
-    app.include_router(rollouts_router)
-    app.include_router(internal_router)
-    app.include_router(diagnostics_router)
-    app.include_router(diagnostics_internal_router)
-    app.include_router(webhooks_router)
-    app.include_router(webhooks_internal_router)
-    app.include_router(serving_router)
+    for router in (files_router, jobs_router, graders_router, diagnostics_router, webhooks_router, serving_router):
+        app.include_router(router)
+    # /internal/v1: what workers call, with the worker token
+    for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, webhooks_worker_router):
+        app.include_router(router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

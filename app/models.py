@@ -5,8 +5,7 @@ from app.core.db import Base
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.files.models import StoredFile
 from app.idempotency.models import IdempotencyRecord
-from app.internal.models import JobMetric, JobRollout, JobStep, WorkerEventKey
-from app.jobs.models import Checkpoint, Job, JobEvent
+from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 __all__ = [

@@ -15,8 +15,8 @@ from app.core.config import Settings
 from app.core.db import utcnow
 from app.core.migrations import upgrade
 from app.files.models import StoredFile
-from app.internal.models import JobMetric, JobStep
-from app.internal.watchdog import expire_job_leases as expire_leases
+from app.jobs.models import JobMetric, JobStep
+from app.jobs.watchdog import expire_job_leases as expire_leases
 from app.main import create_app
 from tests.conftest import Api, job_body, make_project, question_rows, wait_for
 from tests.test_queue import queued_job_ids

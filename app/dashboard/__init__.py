@@ -9,16 +9,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from app.core.errors import APIError
 from app.dashboard.auth import CsrfFailed, LoginRequired
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
 def install(app: FastAPI) -> None:
-    """Mount the pages, their static files and the two errors they answer themselves."""
+    """Mount the pages, their static files and the errors they answer themselves. Call it after
+    app.core.errors.install_error_handlers: the pages' APIError handler wraps the API's."""
     from urllib.parse import quote
 
-    from app.dashboard.router import SECURITY_HEADERS, router, templates
+    from app.dashboard.router import SECURITY_HEADERS, answer_service_error, router, templates
 
     app.include_router(router)
     app.mount("/dashboard/static", StaticFiles(directory=str(STATIC)), name="dashboard-static")
@@ -39,3 +41,12 @@ def install(app: FastAPI) -> None:
         response = templates.TemplateResponse(request, "forbidden.html", {"user": None}, status_code=403)
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    # Handlers are app-wide (a router cannot have its own), so this one answers dashboard routes
+    # as pages and passes every other APIError to the API's JSON handler it replaces.
+    api_error = app.exception_handlers[APIError]
+
+    @app.exception_handler(APIError)
+    async def _service_error(request: Request, exc: APIError) -> Response:
+        page = answer_service_error(request, exc)
+        return page if page is not None else await api_error(request, exc)

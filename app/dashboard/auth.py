@@ -53,6 +53,22 @@ class DashboardUser:
     csrf: str
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a logged-in dashboard request is for and whether its route answers JSON (the poll,
+    the CSV) or a page: all that the dashboard's APIError handler needs to answer as the route
+    would (router.answer_service_error)."""
+
+    user: DashboardUser
+    wants_json: bool
+
+
+def caller_of(request: Request) -> Caller | None:
+    """None until the login dependency has run: a request outside the dashboard, or one of its
+    routes without a login (the login form, static files)."""
+    return getattr(request.state, "dashboard_caller", None)
+
+
 def _serializer(settings: Settings) -> URLSafeTimedSerializer:
     secret = settings.dashboard_secret
     if secret is not None:
@@ -110,7 +126,9 @@ def _user(request: Request, session: SessionDep, wants_json: bool) -> DashboardU
     if visitor is None or not visitor.project_id or not visitor.key_id \
             or not key_is_live(session, visitor.key_id, visitor.project_id):
         raise LoginRequired(wants_json)
-    return DashboardUser(project_id=visitor.project_id, key_id=visitor.key_id, csrf=visitor.csrf)
+    user = DashboardUser(project_id=visitor.project_id, key_id=visitor.key_id, csrf=visitor.csrf)
+    request.state.dashboard_caller = Caller(user, wants_json)
+    return user
 
 
 def _page_user(request: Request, session: SessionDep) -> DashboardUser:

@@ -9,16 +9,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, func, or_, select, text, tuple_, type_coerce
+from sqlalchemy import and_, func, or_, select, text, tuple_, type_coerce
 from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.orm import Session
 
 from app.core.db import unix, utcnow
-from app.core.errors import bad_request
 from app.dashboard.charts import charted_keys
-from app.internal.models import JobMetric, JobRollout, JobStep
 from app.jobs import service as jobs
-from app.jobs.models import Checkpoint, Job, JobEvent
+from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep
 from app.jobs.state import ACTIONS, ACTIVE, TRANSITIONS, JobStatus
 
 JOBS_PER_PAGE = 25
@@ -144,10 +142,11 @@ def _charted(key_column: Any) -> Any:
                 key_column.not_in(excluded))
 
 
-def chart_series_json(*, session: Session, job_id: str, after_step: int) -> str:
-    """The charted series as JSON text, `{metric key: {"x": steps, "y": values}}`, for the steps
-    after `after_step` (a poll asks only for what is new). PostgreSQL builds the JSON itself,
-    one aggregate per key, so a 500-step job costs no Python loop over its points."""
+def chart_series(*, session: Session, job_id: str, after_step: int) -> dict[str, dict[str, list[float]]]:
+    """The charted series, `{metric key: {"x": steps, "y": values}}`, for the steps after
+    `after_step` (a poll asks only for what is new). PostgreSQL builds the JSON itself, one
+    aggregate per key, and psycopg decodes it with json.loads, so a 500-step job costs no Python
+    loop over its points."""
     where = (JobMetric.job_id == job_id, JobMetric.step > after_step, _charted(JobMetric.key))
     if session.get_bind().dialect.name == "postgresql":
         per_key = (select(JobMetric.key.label("key"),
@@ -155,14 +154,14 @@ def chart_series_json(*, session: Session, job_id: str, after_step: int) -> str:
                           func.array_agg(aggregate_order_by(JobMetric.value, JobMetric.step)).label("y"))
                    .where(*where).group_by(JobMetric.key).subquery())
         series = func.json_object_agg(per_key.c.key, func.json_build_object("x", per_key.c.x, "y", per_key.c.y))
-        return session.scalar(select(cast(series, Text))) or "{}"
+        return session.scalar(select(series)) or {}
     series: dict[str, dict[str, list[float]]] = {}
     stmt = select(JobMetric.key, JobMetric.step, JobMetric.value).where(*where).order_by(JobMetric.key, JobMetric.step)
     for key, step, value in session.execute(stmt):
         points = series.setdefault(key, {"x": [], "y": []})
         points["x"].append(step)
         points["y"].append(value)
-    return json.dumps(series)
+    return series
 
 
 def recent_events(*, session: Session, job_id: str, limit: int = EVENTS_SHOWN) -> list[dict[str, Any]]:
@@ -239,16 +238,22 @@ def _tool_counts(calls: Any) -> list[tuple[str, int]]:
     return sorted(counts.items())
 
 
+def _rollout_anchor(session: Session, job_id: str, trace_id: str) -> Any:
+    """Where the rollout a page continues after sits in the listing's order; None if unknown."""
+    return session.execute(select(JobRollout.step, JobRollout.sample_index, JobRollout.seq).where(
+        JobRollout.job_id == job_id, JobRollout.trace_id == trace_id)).first()
+
+
 def list_rollouts(*, session: Session, job_id: str, f: RolloutFilter, after: str | None,
                   limit: int = ROLLOUTS_PER_PAGE) -> dict[str, Any]:
-    """Newest step first, then by sample; `after` is the trace id of the previous page's last row."""
+    """Newest step first, then by sample; `after` is the trace id of the previous page's last row.
+    An `after` that names no rollout of the job lists the first page, and `cursor_error` says so:
+    the page shows it beside the filters' errors instead of failing."""
     order = (JobRollout.step.desc(), JobRollout.sample_index, JobRollout.seq)
     where = _rollout_conditions(session, job_id, f)
-    if after:
-        anchor = session.execute(select(JobRollout.step, JobRollout.sample_index, JobRollout.seq).where(
-            JobRollout.job_id == job_id, JobRollout.trace_id == after)).first()
-        if anchor is None:
-            raise bad_request(f"No rollout with id '{after}' to page after.", param="after")
+    anchor = _rollout_anchor(session, job_id, after) if after else None
+    cursor_error = f"No rollout with id '{after}' to page after." if after and anchor is None else None
+    if anchor is not None:
         # `step <= anchor` first, so the (job_id, step) index bounds the scan; then the exact order.
         where += [JobRollout.step <= anchor.step, or_(JobRollout.step < anchor.step, tuple_(
             JobRollout.sample_index, JobRollout.seq) > tuple_(anchor.sample_index, anchor.seq))]
@@ -263,7 +268,8 @@ def list_rollouts(*, session: Session, job_id: str, f: RolloutFilter, after: str
         "tool_calls": r[6], "tools": _tool_counts(r[7]), "completion_tokens": r[8], "wall_time_s": r[9],
         "excluded": r[10], "advantage": r[11],
     } for r in rows[:limit]]
-    return {"rollouts": data, "has_more": len(rows) > limit, "next_after": data[-1]["trace_id"] if len(rows) > limit else None}
+    return {"rollouts": data, "has_more": len(rows) > limit, "cursor_error": cursor_error,
+            "next_after": data[-1]["trace_id"] if len(rows) > limit else None}
 
 
 def _pretty_arguments(arguments: Any) -> str:

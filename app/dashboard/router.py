@@ -1,6 +1,7 @@
 """`/dashboard`: server-rendered pages over the same services as the API, plus the JSON the
 job page polls for its charts. Pages answer HTML (a login redirect, a 404 page), never the
-API's JSON errors."""
+API's JSON errors: the routes let a service's APIError rise, and `answer_service_error` (the
+app's APIError handler, see install()) answers it as the route would."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from app.dashboard.auth import (
     DashboardUser,
     DataUser,
     PageUser,
+    caller_of,
     check_csrf,
     forget_visitor,
     key_is_live,
@@ -130,6 +132,28 @@ def _redirect(url: str) -> RedirectResponse:
 
 def _not_found(request: Request, user: DashboardUser, what: str) -> HTMLResponse:
     return _page(request, "not_found.html", {"what": what}, user=user, status_code=404)
+
+
+# The path parameter that names what a page is about, and its noun on the not-found page.
+SUBJECTS = {"job_id": "job", "diagnostic_id": "diagnostic"}
+
+
+def answer_service_error(request: Request, exc: APIError) -> Response | None:
+    """A service's APIError on a logged-in dashboard route, answered as that route means it: the
+    short JSON error for the poll and the CSV, the not-found page, or, for a job action the job's
+    status refuses, its page with a notice. None leaves it to the API's JSON handler."""
+    caller = caller_of(request)
+    if caller is None:
+        return None
+    if caller.wants_json:
+        return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
+    params = request.path_params
+    if exc.status_code == 404:
+        what = next((f"{noun} {params[key]}" for key, noun in SUBJECTS.items() if key in params), "page")
+        return _not_found(request, caller.user, what)
+    if request.method == "POST" and "job_id" in params:  # the job actions: the only forms a service refuses
+        return _redirect(f"/dashboard/jobs/{params['job_id']}?notice=refused")
+    return None
 
 
 def _safe_next(target: str | None) -> str:
@@ -238,23 +262,19 @@ def jobs_page(request: Request, user: PageUser, session: SessionDep, status: str
     return _page(request, "jobs.html", {"listing": listing, "status": status, "statuses": statuses}, user=user)
 
 
-def _job_data(session: Any, user: DashboardUser, job_id: str, after_step: int) -> bytes:
-    """The poll's JSON body; the series arrive as JSON text from the database and are spliced in."""
-    rest = {
-        "job": queries.job_status(session=session, project_id=user.project_id, job_id=job_id),
+def _job_data(session: Any, user: DashboardUser, job_id: str, after_step: int) -> dict[str, Any]:
+    job = queries.job_status(session=session, project_id=user.project_id, job_id=job_id)  # first: an unknown job 404s
+    return {
+        "series": queries.chart_series(session=session, job_id=job_id, after_step=after_step),
+        "job": job,
         "checkpoints": queries.checkpoints(session=session, job_id=job_id),
         "events": queries.recent_events(session=session, job_id=job_id),
     }
-    series = queries.chart_series_json(session=session, job_id=job_id, after_step=after_step)
-    return ('{"series": ' + series + ", " + json.dumps(rest)[1:]).encode()
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: str, user: PageUser, session: SessionDep, notice: str | None = None) -> HTMLResponse:
-    try:
-        header = queries.job_header(session=session, project_id=user.project_id, job_id=job_id)
-    except APIError:
-        return _not_found(request, user, f"job {job_id}")
+    header = queries.job_header(session=session, project_id=user.project_id, job_id=job_id)
     config = {"dataUrl": f"/dashboard/jobs/{job_id}/data", "pollMs": int(request.app.state.settings.dashboard_poll_s * 1000),
               "active": header["active"], "charts": chart_specs(), "rolloutsUrl": f"/dashboard/jobs/{job_id}/rollouts"}
     return _page(request, "job.html", {
@@ -269,20 +289,13 @@ def job_data(job_id: str, user: DataUser, session: SessionDep,
              after_step: Annotated[int, Query(ge=-1, le=INT32_MAX)] = -1) -> JSONResponse:
     """The job's status, its charted series (only steps after `after_step`, so that a poll of a
     long job sends just what is new), checkpoints and recent events."""
-    try:
-        body = _job_data(session, user, job_id, after_step)
-    except APIError as exc:
-        return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
-    return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+    return JSONResponse(_job_data(session, user, job_id, after_step), headers={"Cache-Control": "no-store"})
 
 
 @router.get("/jobs/{job_id}/metrics.csv")
 def metrics_csv(job_id: str, user: DataUser, session: SessionDep) -> Response:
     """Every per-step metric as one CSV row per step, for a notebook."""
-    try:
-        jobs.get_row(session=session, project_id=user.project_id, job_id=job_id)
-    except APIError as exc:
-        return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
+    jobs.get_row(session=session, project_id=user.project_id, job_id=job_id)
     return Response(step_metrics.step_metrics_csv(session=session, job_id=job_id), media_type="text/csv",
                     headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
 
@@ -297,12 +310,7 @@ def job_action(request: Request, job_id: str, action: str, user: PageUser, sessi
     check_csrf(read_visitor(request), csrf_token)
     if action not in ACTIONS:
         return _not_found(request, user, f"action {action}")
-    try:
-        jobs.apply_action(session=session, project_id=user.project_id, job_id=job_id, action=action)
-    except APIError as exc:
-        if exc.status_code == 404:
-            return _not_found(request, user, f"job {job_id}")
-        return _redirect(f"/dashboard/jobs/{job_id}?notice=refused")
+    jobs.apply_action(session=session, project_id=user.project_id, job_id=job_id, action=action)
     if action == "resume":  # after SessionDep's commit, as the API's resume does
         background.add_task(_send_later, request, job_id)
     past = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[action]
@@ -318,10 +326,7 @@ def rollouts_page(
     reward_max: str | None = None, finish_reason: str | None = None, tool: str | None = None,
     after: str | None = None,
 ) -> HTMLResponse:
-    try:
-        header = queries.job_header(session=session, project_id=user.project_id, job_id=job_id)
-    except APIError:
-        return _not_found(request, user, f"job {job_id}")
+    header = queries.job_header(session=session, project_id=user.project_id, job_id=job_id)
     errors: list[str] = []
     f = queries.RolloutFilter(
         step=_int(step, errors, "step"), split=split if split in ("train", "valid") else None,
@@ -330,11 +335,9 @@ def rollouts_page(
         finish_reason=finish_reason if finish_reason in queries.FINISH_REASONS else None,
         tool=tool or None,
     )
-    try:
-        listing = queries.list_rollouts(session=session, job_id=job_id, f=f, after=after or None)
-    except APIError as exc:
-        errors.append(exc.message)
-        listing = queries.list_rollouts(session=session, job_id=job_id, f=f, after=None)
+    listing = queries.list_rollouts(session=session, job_id=job_id, f=f, after=after or None)
+    if listing["cursor_error"]:
+        errors.append(listing["cursor_error"])
     query = f.query()
     next_url = f"?{urlencode({**query, 'after': listing['next_after']})}" if listing["next_after"] else None
     return _page(request, "rollouts.html", {
@@ -346,10 +349,7 @@ def rollouts_page(
 
 @router.get("/jobs/{job_id}/rollouts/{trace_id}", response_class=HTMLResponse)
 def rollout_page(request: Request, job_id: str, trace_id: str, user: PageUser, session: SessionDep) -> HTMLResponse:
-    try:
-        jobs.get_row(session=session, project_id=user.project_id, job_id=job_id)
-    except APIError:
-        return _not_found(request, user, f"job {job_id}")
+    jobs.get_row(session=session, project_id=user.project_id, job_id=job_id)
     rollout = queries.rollout_detail(session=session, job_id=job_id, trace_id=trace_id)
     if rollout is None:
         return _not_found(request, user, f"rollout {trace_id}")
@@ -370,10 +370,7 @@ def diagnostics_page(request: Request, user: PageUser, session: SessionDep, page
 
 @router.get("/diagnostics/{diagnostic_id}", response_class=HTMLResponse)
 def diagnostic_page(request: Request, diagnostic_id: str, user: PageUser, session: SessionDep) -> HTMLResponse:
-    try:
-        data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
-    except APIError:
-        return _not_found(request, user, f"diagnostic {diagnostic_id}")
+    data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
     config = {"kind": "diagnostic", "dataUrl": f"/dashboard/diagnostics/{diagnostic_id}/data",
               "pollMs": int(request.app.state.settings.dashboard_poll_s * 1000), "active": data["active"],
               "rolloutsUrl": f"/dashboard/diagnostics/{diagnostic_id}/rollouts"}
@@ -383,20 +380,14 @@ def diagnostic_page(request: Request, diagnostic_id: str, user: PageUser, sessio
 
 @router.get("/diagnostics/{diagnostic_id}/data")
 def diagnostic_data(diagnostic_id: str, user: DataUser, session: SessionDep) -> JSONResponse:
-    try:
-        data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
-    except APIError as exc:
-        return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
+    data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
     return JSONResponse(variance.chart_points(data), headers={"Cache-Control": "no-store"})
 
 
 @router.get("/diagnostics/{diagnostic_id}/rollouts", response_class=HTMLResponse)
 def diagnostic_rollouts_page(request: Request, diagnostic_id: str, user: PageUser, session: SessionDep,
                              sample: str | None = None) -> HTMLResponse:
-    try:
-        data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
-    except APIError:
-        return _not_found(request, user, f"diagnostic {diagnostic_id}")
+    data = variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
     errors: list[str] = []
     index = _int(sample, errors, "sample")
     runs = variance.rollouts(session=session, diagnostic_id=diagnostic_id, sample=index)
@@ -408,10 +399,7 @@ def diagnostic_rollouts_page(request: Request, diagnostic_id: str, user: PageUse
 @router.get("/diagnostics/{diagnostic_id}/rollouts/{trace_id}", response_class=HTMLResponse)
 def diagnostic_rollout_page(request: Request, diagnostic_id: str, trace_id: str, user: PageUser,
                             session: SessionDep) -> HTMLResponse:
-    try:
-        variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
-    except APIError:
-        return _not_found(request, user, f"diagnostic {diagnostic_id}")
+    variance.view(session=session, project_id=user.project_id, diagnostic_id=diagnostic_id)
     rollout = variance.rollout_detail(session=session, diagnostic_id=diagnostic_id, trace_id=trace_id)
     if rollout is None:
         return _not_found(request, user, f"rollout {trace_id}")

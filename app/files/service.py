@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -83,11 +83,20 @@ def create_generated_file(
     return to_schema(row)
 
 
-def get_row(*, session: Session, project_id: str, file_id: str) -> StoredFile:
-    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
+def _row(session: Session, file_id: str, *scope: Any) -> StoredFile:
+    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, *scope))
     if row is None:
         raise not_found("file", file_id, param="file_id")
     return row
+
+
+def get_row(*, session: Session, project_id: str, file_id: str) -> StoredFile:
+    return _row(session, file_id, StoredFile.project_id == project_id)
+
+
+def get_row_for_worker(*, session: Session, file_id: str) -> StoredFile:
+    """Any project's file: workers serve every project."""
+    return _row(session, file_id)
 
 
 def get_file(*, session: Session, project_id: str, file_id: str) -> FileObject:

@@ -7,10 +7,10 @@ from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep
 from app.core.pagination import ListPage
 from app.jobs import checkpoints, pipeline, service
-from app.jobs.schemas import CheckpointObject, JobCreate, JobEventObject, JobObject
+from app.jobs.schemas import CheckpointObject, JobCreate, JobEventObject, JobObject, RolloutObject, Split
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
@@ -117,3 +117,18 @@ def checkpoint_content(
         # Closes the files also when the client went away before the end of the stream.
         background=BackgroundTask(download.archive.close),
     )
+
+
+@router.get("/{fine_tuning_job_id}/rollouts", response_model=ListPage[RolloutObject])
+def list_rollouts(
+    fine_tuning_job_id: str,
+    principal: CurrentKey,
+    session: SessionDep,
+    step: RowIndex | None = None,
+    split: Split | None = None,
+    after: str | None = None,
+    limit: Limit = 20,
+) -> ListPage[RolloutObject]:
+    """This service's extension: a job's graded rollouts, newest step first."""
+    return service.list_rollouts(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
+                                 step=step, split=split, after=after, limit=limit)

@@ -12,6 +12,8 @@ from app.core.urls import check_http_url
 from app.diagnostics.options import JobDiagnosticOptions
 from app.graders.schemas import Grader
 
+Split = Literal["train", "valid"]
+
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -202,3 +204,17 @@ class CheckpointObject(BaseModel):
     fine_tuning_job_id: str
     metrics: dict[str, Any]
     step_number: int
+
+
+class RolloutObject(BaseModel):
+    """This service's extension: one rollout of a job, as `GET /v1/fine_tuning/jobs/{id}/rollouts` lists it."""
+
+    object: Literal["fine_tuning.job.rollout"] = "fine_tuning.job.rollout"
+    id: str = Field(description="The rollout's trace_id.")
+    step: int
+    split: Split
+    sample_index: int
+    reward: float | None
+    finish_reason: str | None
+    tool_calls: int
+    data: dict[str, Any]

@@ -1,4 +1,5 @@
-"""Fine-tuning jobs: creation with synchronous checks, listing, user actions, events, checkpoints."""
+"""Fine-tuning jobs: creation with synchronous checks, listing, user actions, events, checkpoints,
+and this service's listing of a job's graded rollouts."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from app.core.config import Settings
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, not_found
 from app.core.ids import new_id
-from app.core.pagination import ListPage, page
+from app.core.pagination import ListPage, page, page_by
 from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
 from app.idempotency import service as idempotency
-from app.jobs.models import Checkpoint, Job, JobEvent
+from app.jobs.models import Checkpoint, Job, JobEvent, JobRollout
 from app.jobs.schemas import (
     CheckpointObject,
     JobCreate,
@@ -25,6 +26,7 @@ from app.jobs.schemas import (
     JobHyperparameters,
     JobObject,
     Method,
+    RolloutObject,
 )
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
 from app.jobs.validation import parameters_schema_problem
@@ -223,8 +225,26 @@ def list_checkpoints(
         )
         for c in rows
     ]
-    return ListPage[CheckpointObject](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                                      last_id=data[-1].id if data else None)
+    return ListPage[CheckpointObject].of(data, has_more)
+
+
+def list_rollouts(
+    *, session: Session, project_id: str, job_id: str, step: int | None, split: str | None, after: str | None,
+    limit: int,
+) -> ListPage[RolloutObject]:
+    """Newest step first, then newest stored first; `after` is the id (trace_id) of the last
+    rollout of the previous page."""
+    get_row(session=session, project_id=project_id, job_id=job_id)
+    stmt = select(JobRollout).where(JobRollout.job_id == job_id)
+    if step is not None:
+        stmt = stmt.where(JobRollout.step == step)
+    if split is not None:
+        stmt = stmt.where(JobRollout.split == split)
+    rows, has_more = page_by(session, stmt, order=(JobRollout.step, JobRollout.seq), cursor=JobRollout.trace_id,
+                             after=after, limit=limit, noun="rollout")
+    data = [RolloutObject(id=r.trace_id, step=r.step, split=r.split, sample_index=r.sample_index, reward=r.reward,
+                          finish_reason=r.finish_reason, tool_calls=r.tool_calls, data=r.data) for r in rows]
+    return ListPage[RolloutObject].of(data, has_more)
 
 
 def record_checkpoint(*, session: Session, job: Job, step_number: int, model_ref: str, metrics: dict[str, Any]) -> Checkpoint:

@@ -56,7 +56,7 @@ def _on_move(session: Session, job: Job, previous: JobStatus, to: JobStatus, *, 
 
 
 # Moves only the control plane makes, never a user action: a running job whose worker's lease
-# expired goes back to the queue (app/internal/watchdog.py); "resume" of a running job stays refused.
+# expired goes back to the queue (app/jobs/watchdog.py); "resume" of a running job stays refused.
 JOB_STATES = StateMachine("job", TRANSITIONS, TERMINAL, system_transitions={S.RUNNING: frozenset({S.QUEUED})},
                           on_move=_on_move)
 # transition(session, job, to, *, message, action=None, level="info", error=None)

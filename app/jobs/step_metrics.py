@@ -10,7 +10,7 @@ import io
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.internal.models import JobMetric
+from app.jobs.models import JobMetric
 
 FILENAME = "step_metrics.csv"
 

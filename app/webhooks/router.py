@@ -1,22 +1,18 @@
 """`/v1/webhook_endpoints` and `/v1/webhook_event_types`, as the `openai` SDK's `client.webhooks`
-calls them, plus this service's deliveries and attempt log; and the workers' two internal calls."""
+calls them, plus this service's deliveries and attempt log. The workers' two calls are worker_router.py."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep, require_worker
+from app.core.deps import CurrentKey, SessionDep, SettingsDep
 from app.core.pagination import ListPage
 from app.webhooks import service
 from app.webhooks.schemas import (
     AttemptObject,
-    AttemptReport,
-    AttemptReportResult,
     DeletedEndpoint,
-    DeliveryClaimRequest,
-    DeliveryClaimResponse,
     DeliveryObject,
     DeliveryState,
     EndpointCreate,
@@ -30,7 +26,6 @@ from app.webhooks.schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["webhooks"])
-internal_router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
@@ -120,17 +115,3 @@ def redeliver(webhook_endpoint_id: str, delivery_id: str, principal: CurrentKey,
     """Extension: send the delivery again now, same `webhook-id`, with a fresh retry schedule."""
     return service.redeliver(session=session, project_id=principal.project_id, endpoint_id=webhook_endpoint_id,
                              delivery_id=delivery_id)
-
-
-@internal_router.post("/webhook_deliveries/{delivery_id}/claim", response_model=DeliveryClaimResponse)
-def claim_delivery(delivery_id: str, body: DeliveryClaimRequest, session: SessionDep,
-                   settings: SettingsDep) -> DeliveryClaimResponse:
-    """Start an attempt: the signed request to send, or why there is nothing to send now."""
-    return service.claim_delivery(session=session, settings=settings, delivery_id=delivery_id, body=body)
-
-
-@internal_router.post("/webhook_deliveries/{delivery_id}/attempts", response_model=AttemptReportResult)
-def report_attempt(delivery_id: str, body: AttemptReport, session: SessionDep,
-                   settings: SettingsDep) -> AttemptReportResult:
-    """What an attempt got back; idempotent per claim."""
-    return service.report_attempt(session=session, settings=settings, delivery_id=delivery_id, body=body)

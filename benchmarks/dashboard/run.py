@@ -39,7 +39,7 @@ from app.auth.service import create_project  # noqa: E402
 from app.core.config import Settings  # noqa: E402
 from app.core.db import make_engine, make_session_factory  # noqa: E402
 from app.core.migrations import upgrade  # noqa: E402
-from app.internal.service import flatten_metrics  # noqa: E402
+from app.jobs.worker_service import flatten_metrics  # noqa: E402
 from app.main import create_app  # noqa: E402
 from tests.conftest import fresh_pg_database, serve_app  # noqa: E402
 

@@ -120,6 +120,28 @@ def test_another_projects_job_is_not_found_anywhere(client, settings, running_jo
     assert client.post(f"/dashboard/jobs/{running_job}/cancel", data={"csrf_token": csrf}).status_code == 404
 
 
+def test_a_service_error_is_a_page_on_the_dashboard_and_stays_json_on_the_api(client, api, settings, running_job):
+    """Issue 17, item 5: one APIError handler answers the dashboard's routes as they mean it (the
+    not-found page, the poll's short JSON error) and leaves every other route the API's JSON."""
+    other = make_project(settings)
+    login(client, other["key"])
+    page = client.get(f"/dashboard/jobs/{running_job}")
+    assert page.status_code == 404 and page.headers["content-type"].startswith("text/html")
+    assert f"There is no job {running_job} in this project." in page.text
+    diagnostic = client.get("/dashboard/diagnostics/vdiag_nope/rollouts")
+    assert diagnostic.status_code == 404 and "There is no diagnostic vdiag_nope in this project." in diagnostic.text
+    poll = client.get(f"/dashboard/jobs/{running_job}/data")
+    assert poll.status_code == 404
+    assert poll.json() == {"error": {"message": f"No such fine-tuning job: '{running_job}'",
+                                     "code": "fine_tuning_job_not_found"}}
+    # The same client, dashboard cookie and all, on the API: the OpenAI-shaped JSON error.
+    from_api = client.get(f"/v1/fine_tuning/jobs/{running_job}", headers={"Authorization": f"Bearer {other['key']}"})
+    assert from_api.status_code == 404 and from_api.headers["content-type"] == "application/json"
+    assert from_api.json() == {"error": {"message": f"No such fine-tuning job: '{running_job}'",
+                                         "type": "invalid_request_error", "param": "fine_tuning_job_id",
+                                         "code": "fine_tuning_job_not_found"}}
+
+
 # --- jobs list --------------------------------------------------------------------------------
 
 def test_jobs_list_newest_first_filtered_by_status_and_paginated(client, api, project, worker):
@@ -211,7 +233,7 @@ def test_chart_specs_draw_the_trainers_metric_keys():
     summary of real rollout records, the rest named in workers/rl/trainer.py; so a renamed
     metric cannot leave a chart silently empty."""
     from app.dashboard.charts import charted_keys
-    from app.internal.service import flatten_metrics
+    from app.jobs.worker_service import flatten_metrics
     from workers.rl.rollout import RolloutRecord, ToolCallRecord
     from workers.rl.summary import summarize
 
@@ -302,6 +324,14 @@ def test_rollout_browser_pages_with_a_cursor(client, project, running_job, worke
         nxt = page.split('rel="next"')[0].rsplit('href="', 1)[-1].split('"')[0] if 'rel="next"' in page else None
         url = f"/dashboard/jobs/{running_job}/rollouts{nxt.replace('&amp;', '&')}" if nxt else None
     assert seen == [f"trace_s{s}_r{r}" for s in (3, 2, 1) for r in (0, 2, 1, 3)]
+
+
+def test_an_unknown_cursor_lists_the_first_page_and_says_so(client, project, running_job, worker):
+    report_steps(worker, running_job, range(1, 2), total=1)
+    login(client, project["key"])
+    page = client.get(f"/dashboard/jobs/{running_job}/rollouts", params={"after": "trace_nope"})
+    assert page.status_code == 200 and "No rollout with id &#39;trace_nope&#39; to page after." in page.text
+    assert _trace_ids(page.text) == [f"trace_s1_r{r}" for r in (0, 2, 1, 3)]
 
 
 def test_transcript_shows_turns_tool_calls_grades_and_the_trace_id(client, project, running_job, worker):

@@ -1,34 +1,25 @@
-"""`/internal/v1`: the API that workers use, authenticated with the shared worker token and not
-scoped to a project (workers serve every project). Also the public, project-scoped listing of
-a job's rollouts, this service's extension of `/v1/fine_tuning/jobs`."""
+"""`/internal/v1/jobs/...`: a job's worker API, authenticated with the shared worker token and
+not scoped to a project (workers serve every project); docs/internal-api.md."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Path, Request
 
-from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep, require_worker
-from app.core.errors import APIError
-from app.core.pagination import ListPage
-from app.internal import service
-from app.internal.schemas import (
+from app.core.deps import SessionDep, SettingsDep, require_worker
+from app.core.worker_schemas import ClaimRequest, HeartbeatResponse, Leased
+from app.jobs import worker_service as service
+from app.jobs.worker_schemas import (
     CheckpointPush,
     CheckpointResult,
-    ClaimRequest,
     ClaimResponse,
     EventPush,
     EventResult,
     FinishPush,
     FinishResult,
-    HeartbeatResponse,
-    Leased,
-    RolloutObject,
     RolloutPush,
     RolloutResult,
-    Split,
     StatePush,
     StateResult,
     StepPush,
@@ -36,7 +27,6 @@ from app.internal.schemas import (
 )
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
-public_router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 Step = Annotated[int, Path(ge=0)]
 
 
@@ -51,20 +41,6 @@ def heartbeat(job_id: str, body: Leased, session: SessionDep, settings: Settings
     """Extend the lease; the answer says whether to continue, pause (save state) or cancel."""
     answer = service.heartbeat(session=session, settings=settings, job_id=job_id, lease_id=body.lease_id)
     return answer
-
-
-@router.get("/files/{file_id}/content", response_class=StreamingResponse)
-def file_content(file_id: str, request: Request, session: SessionDep) -> StreamingResponse:
-    """The bytes of any project's file (training and validation data)."""
-    row = service.file_row(session=session, file_id=file_id)
-    chunks = request.app.state.storage.iter_chunks(row.storage_key)
-    try:  # open the blob before answering, so that missing bytes are a clear error, not a cut stream
-        first = next(chunks, b"")
-    except FileNotFoundError as exc:
-        raise APIError(404, f"The stored bytes of file '{file_id}' are missing.", code="file_content_missing",
-                       param="file_id") from exc
-    return StreamingResponse(itertools.chain([first], chunks), media_type="application/octet-stream",
-                             headers={"Content-Length": str(row.bytes)})
 
 
 @router.put("/jobs/{job_id}/steps/{step}", response_model=StepResult)
@@ -102,18 +78,3 @@ def finish_job(job_id: str, body: FinishPush, request: Request, session: Session
     """The end of this worker's run: succeeded (its step metrics become the job's result file),
     failed, or stopped after a pause or cancel."""
     return service.finish(session=session, storage=request.app.state.storage, job_id=job_id, body=body)
-
-
-@public_router.get("/{fine_tuning_job_id}/rollouts", response_model=ListPage[RolloutObject])
-def list_rollouts(
-    fine_tuning_job_id: str,
-    principal: CurrentKey,
-    session: SessionDep,
-    step: RowIndex | None = None,
-    split: Split | None = None,
-    after: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> ListPage[RolloutObject]:
-    """This service's extension: a job's graded rollouts, newest step first."""
-    return service.list_rollouts(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id,
-                                 step=step, split=split, after=after, limit=limit)

@@ -1,26 +1,29 @@
-"""The worker side of a job's life: claim under a lease, heartbeat, and idempotent pushes of
-what training produces. Every call locks the job's row, so one job's calls never interleave and
-a check-then-insert cannot race; every write first checks that the caller still holds the lease."""
+"""The worker side of a job's life (`/internal/v1/jobs/...`): claim under a lease, heartbeat,
+and idempotent pushes of what training produces. Every call locks the job's row, so one job's
+calls never interleave and a check-then-insert cannot race; every write first checks that the
+caller still holds the lease."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from app.auth.models import Project
 from app.core.config import Settings
 from app.core.db import storable_json, unix, utcnow
-from app.core.errors import bad_request, not_found
+from app.core.errors import bad_request
 from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
-from app.core.pagination import ListPage
+from app.core.worker_schemas import UNEXPLAINED_FAILURE, HeartbeatResponse
 from app.files import service as files
-from app.files.models import StoredFile
 from app.files.storage import Storage
-from app.internal.models import JobMetric, JobRollout, JobStep, WorkerEventKey
-from app.internal.schemas import (
+from app.jobs import service as jobs
+from app.jobs import step_metrics
+from app.jobs.models import Checkpoint, Job, JobMetric, JobRollout, JobStep, WorkerEventKey
+from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
+from app.jobs.worker_schemas import (
     CheckpointPush,
     CheckpointResult,
     ClaimedJob,
@@ -29,8 +32,6 @@ from app.internal.schemas import (
     EventResult,
     FinishPush,
     FinishResult,
-    HeartbeatResponse,
-    RolloutObject,
     RolloutPush,
     RolloutRecord,
     RolloutResult,
@@ -39,10 +40,6 @@ from app.internal.schemas import (
     StepPush,
     StepResult,
 )
-from app.jobs import service as jobs
-from app.jobs import step_metrics
-from app.jobs.models import Checkpoint, Job
-from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.webhooks import outbox
 from app.webhooks.events import CHECKPOINT_CREATED
 
@@ -80,16 +77,6 @@ def heartbeat(*, session: Session, settings: Settings, job_id: str, lease_id: st
     job.extend_lease(settings.lease_seconds)
     action = {S.CANCELLED.value: "cancel", S.PAUSED.value: "pause"}.get(job.status, "continue")
     return HeartbeatResponse(action=action, lease_expires_at=unix(job.lease_expires_at))
-
-
-# --- files --------------------------------------------------------------------------------
-
-def file_row(*, session: Session, file_id: str) -> StoredFile:
-    """Any project's file: workers serve every project."""
-    row = session.scalar(select(StoredFile).where(StoredFile.id == file_id))
-    if row is None:
-        raise not_found("file", file_id, param="file_id")
-    return row
 
 
 # --- pushes -------------------------------------------------------------------------------
@@ -147,7 +134,9 @@ def push_event(*, session: Session, job_id: str, body: EventPush) -> EventResult
     return EventResult(id=event.id, created=True)
 
 
-def _tool_call_count(record: dict[str, Any]) -> int:
+def tool_call_count(record: dict[str, Any]) -> int:
+    """The calls a rollout record made: its `tool_calls` list (or count); a job's and a
+    diagnostic's rollout rows keep it in a column for the dashboard's filters."""
     calls = record.get("tool_calls")
     if isinstance(calls, list):
         return len(calls)
@@ -168,7 +157,7 @@ def push_rollouts(*, session: Session, job_id: str, body: RolloutPush) -> Rollou
         session.execute(insert(JobRollout), [
             {"job_id": job_id, "step": body.step, "split": body.split, "trace_id": r.trace_id,
              "sample_index": r.sample_index, "reward": storable_json(r.reward), "finish_reason": r.finish_reason,
-             "tool_calls": _tool_call_count(r.model_dump()), "data": r.model_dump(mode="json")}
+             "tool_calls": tool_call_count(r.model_dump()), "data": r.model_dump(mode="json")}
             for r in new
         ])
     return RolloutResult(stored=len(new))
@@ -256,8 +245,7 @@ def _results_file(session: Session, job: Job, storage: Storage) -> str:
 
 
 def _fail(session: Session, job: Job, body: FinishPush) -> None:
-    error = body.error.model_dump() if body.error else {
-        "code": "worker_error", "message": "The worker reported a failure without details.", "param": None}
+    error = body.error.model_dump() if body.error else UNEXPLAINED_FAILURE
     if not _can_move(job, S.FAILED):
         add_event(session, job, f"Worker failed after the job was {job.status}: {error['message']}", level="error")
         return
@@ -291,32 +279,3 @@ def finish(*, session: Session, storage: Storage, job_id: str, body: FinishPush)
         _stop(session, job, body)
     job.release_lease(remember=True)
     return FinishResult(status=job.status, fine_tuned_model=job.fine_tuned_model)
-
-
-# --- public reading -----------------------------------------------------------------------
-
-def list_rollouts(
-    *, session: Session, project_id: str, job_id: str, step: int | None, split: str | None, after: str | None,
-    limit: int,
-) -> ListPage[RolloutObject]:
-    jobs.get_row(session=session, project_id=project_id, job_id=job_id)
-    stmt = select(JobRollout).where(JobRollout.job_id == job_id)
-    if step is not None:
-        stmt = stmt.where(JobRollout.step == step)
-    if split is not None:
-        stmt = stmt.where(JobRollout.split == split)
-    if after:
-        anchor = session.execute(select(JobRollout.step, JobRollout.seq).where(
-            JobRollout.job_id == job_id, JobRollout.trace_id == after)).first()
-        if anchor is None:
-            raise bad_request(f"No rollout with id '{after}' to page after.", param="after")
-        stmt = stmt.where(or_(JobRollout.step < anchor.step,
-                              and_(JobRollout.step == anchor.step, JobRollout.seq < anchor.seq)))
-    rows = list(session.scalars(stmt.order_by(JobRollout.step.desc(), JobRollout.seq.desc()).limit(limit + 1)))
-    data = [
-        RolloutObject(id=r.trace_id, step=r.step, split=r.split, sample_index=r.sample_index, reward=r.reward,
-                      finish_reason=r.finish_reason, tool_calls=r.tool_calls, data=r.data)
-        for r in rows[:limit]
-    ]
-    return ListPage[RolloutObject](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
-                                   last_id=data[-1].id if data else None)

@@ -1,5 +1,4 @@
-"""Request and response shapes of the internal worker API (docs/internal-api.md) and of the
-public rollouts listing."""
+"""Request and response shapes of a job's worker API, `/internal/v1/jobs/...` (docs/internal-api.md)."""
 
 from __future__ import annotations
 
@@ -7,12 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Action = Literal["continue", "pause", "cancel"]
-Split = Literal["train", "valid"]
-
-
-class ClaimRequest(BaseModel):
-    worker_id: str = Field(min_length=1, max_length=255, description="Identifies the process running the task.")
+from app.core.worker_schemas import FinishError, Leased
+from app.jobs.schemas import Split
 
 
 class ClaimedJob(BaseModel):
@@ -34,17 +29,6 @@ class ClaimResponse(BaseModel):
     lease_id: str
     lease_expires_at: int
     job: ClaimedJob
-
-
-class Leased(BaseModel):
-    """Every call after the claim names the lease it holds."""
-
-    lease_id: str = Field(min_length=1, max_length=64)
-
-
-class HeartbeatResponse(BaseModel):
-    action: Action
-    lease_expires_at: int
 
 
 class StepMetrics(BaseModel):
@@ -124,12 +108,6 @@ class StateResult(BaseModel):
     completed_steps: int
 
 
-class FinishError(BaseModel):
-    code: str = Field(min_length=1, max_length=128)
-    message: str = Field(min_length=1, max_length=20000)
-    param: str | None = None
-
-
 class FinishPush(Leased):
     status: Literal["succeeded", "failed", "paused", "cancelled"]
     error: FinishError | None = None
@@ -139,17 +117,3 @@ class FinishPush(Leased):
 class FinishResult(BaseModel):
     status: str
     fine_tuned_model: str | None
-
-
-class RolloutObject(BaseModel):
-    """This service's extension: one rollout of a job, as `GET /v1/fine_tuning/jobs/{id}/rollouts` lists it."""
-
-    object: Literal["fine_tuning.job.rollout"] = "fine_tuning.job.rollout"
-    id: str = Field(description="The rollout's trace_id.")
-    step: int
-    split: Split
-    sample_index: int
-    reward: float | None
-    finish_reason: str | None
-    tool_calls: int
-    data: dict[str, Any]
