@@ -383,14 +383,18 @@ def eval_command(
     dtype: DType = Precision.auto,
 ) -> None:
     """Evaluate MODEL (before or after training): graded rollouts with the training engine."""
-    from app.cli_client import evaluate
+    from workers.rl.eval_command import eval_command
+    from workers.rl.models import ModelError
     from workers.rl.rollout import EngineConfig
+    from workers.rl.rollout_command import RolloutInputError
 
     config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
                           max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature)
-    _client_call(lambda: evaluate(model=model, data=data, tools_path=tools, grader_path=grader, n=n, limit=limit,
-                                  config=config, settings=get_settings(), json_out=json_out, echo=typer.echo,
-                                  dtype=dtype.value))
+    try:
+        eval_command(model=model, data=data, tools_path=tools, grader_path=grader, n=n, limit=limit, config=config,
+                     settings=get_settings(), json_out=json_out, echo=typer.echo, dtype=dtype.value)
+    except (RolloutInputError, ModelError, OSError) as exc:
+        _fail(str(exc))
 
 
 @cli.command()
@@ -402,7 +406,7 @@ def demo(
     seed: Annotated[int | None, typer.Option(help="Data and training seed.")] = None,
 ) -> None:
     """Train an agent to use real tools, end to end, on the embedded default; prints a before/after table."""
-    from app.demo import run_demo
+    from examples.financial_reports.demo import run_demo
 
     sys.exit(run_demo(model=model, steps=steps, quick=quick, workdir=workdir, seed=seed))
 

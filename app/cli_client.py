@@ -1,9 +1,9 @@
-"""What the user-facing `agent-rft files|jobs|checkpoints|eval` commands do: talk to a running agent-rft
-server with the official `openai` SDK (exactly as a user's own code would), and run the
-before/after evaluation locally with the training engine.
+"""What the user-facing `agent-rft files|jobs|checkpoints|diagnostics` commands do: talk to a
+running agent-rft server with the official `openai` SDK, exactly as a user's own code would.
+(`agent-rft eval` runs the engine locally: workers/rl/eval_command.py.)
 
 Every function raises CliError with a message meant for the terminal; app/cli.py prints it
-and exits 1. Heavy libraries (torch, the model registry) are imported only by `evaluate`.
+and exits 1. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 JOB_CONFIG_KEYS = ("model", "training_file", "validation_file", "method", "seed", "suffix", "metadata")
 FILE_KEYS = ("training_file", "validation_file")
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
-PASS_THRESHOLD = 0.5  # a reward at or above this counts as passed when the grader has no threshold
 
 Echo = Callable[[str], None]
 
@@ -342,100 +341,6 @@ def checkpoint_report(client: openai.OpenAI, job_id: str, folder: Path) -> str:
     kind = "LoRA adapter" if lora else "full model"
     return (f"saved {kind} to {folder}\nload it with:\n{snippet}\n"
             f"(how it was trained and how to serve it with vLLM: {folder / 'README.md'})")
-
-
-# --- eval -----------------------------------------------------------------------------------
-
-
-def read_grader(path: Path) -> Any:
-    from pydantic import TypeAdapter, ValidationError
-
-    from app.graders.schemas import Grader
-
-    try:
-        return TypeAdapter(Grader).validate_json(path.read_bytes())
-    except OSError as exc:
-        raise CliError(f"{path}: cannot read the grader: {exc}") from exc
-    except ValidationError as exc:
-        raise CliError(f"{path}: invalid grader: {exc}") from exc
-
-
-def evaluate(*, model: str, data: Path, tools_path: Path, grader_path: Path, n: int, limit: int | None,
-             config: Any, settings: Any, json_out: Path | None, echo: Echo, dtype: str | None = None) -> dict[str, Any]:
-    """Rollouts of `model` with the training engine, each graded: accuracy and tool use."""
-    import asyncio
-
-    from workers.rl.models import ModelError
-    from workers.rl.rollout_command import (
-        RolloutInputError,
-        read_specs,
-        read_tools,
-        run_rollouts,
-    )
-
-    grader = read_grader(grader_path)
-    try:
-        tools = read_tools(tools_path)
-        specs = read_specs(data, tools, n=n, limit=limit, seed=0)
-        if not specs:
-            raise CliError(f"{data}: no rows")
-        records = asyncio.run(run_rollouts(model, specs, tools, config, list(settings.outbound_allowlist), dtype))
-    except (RolloutInputError, ModelError, OSError) as exc:
-        raise CliError(str(exc)) from exc
-    graded = asyncio.run(_grade(grader, records, specs, settings))
-    report = eval_report(model, records, graded)
-    echo(format_eval(report))
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
-        echo(f"\nwrote {json_out}")
-    return report
-
-
-async def _grade(grader: Any, records: list[Any], specs: list[Any], settings: Any) -> list[Any]:
-    from app.graders.batch import grade_many
-    from app.graders.core import Sample
-    from app.graders.service import grader_context
-
-    jobs = [(Sample.from_model_sample(r.grader_sample()), s.item, r.trace_id) for r, s in zip(records, specs)]
-    return await grade_many(grader, jobs, grader_context(settings))
-
-
-def eval_report(model: str, records: list[Any], graded: list[Any]) -> dict[str, Any]:
-    from workers.rl.summary import summarize
-
-    rewards = [g.reward for g in graded]
-    passed = [g.passed if g.passed is not None else g.reward >= PASS_THRESHOLD for g in graded]
-    accuracy = {"mean_reward": sum(rewards) / len(rewards), "pass_rate": sum(passed) / len(passed),
-                "grader_errors": sum(1 for g in graded if g.failed), "sub_rewards": sub_reward_means(graded)}
-    rollouts = [{**r.summary(), "reward": g.reward, "passed": p, "grader_errors": g.errors,
-                 "sub_rewards": numeric_sub_rewards(g.result.sub_rewards)}
-                for r, g, p in zip(records, graded, passed)]
-    return {"model": model, "accuracy": accuracy, "summary": summarize(records), "rollouts": rollouts}
-
-
-def numeric_sub_rewards(sub_rewards: dict[str, Any] | None) -> dict[str, float]:
-    return {k: float(v) for k, v in (sub_rewards or {}).items() if isinstance(v, (int, float))}
-
-
-def sub_reward_means(graded: list[Any]) -> dict[str, float]:
-    """A multi grader's sub-graders, each averaged over the rollouts that report it."""
-    values: dict[str, list[float]] = {}
-    for g in graded:
-        for key, value in numeric_sub_rewards(g.result.sub_rewards).items():
-            values.setdefault(key, []).append(value)
-    return {key: sum(v) / len(v) for key, v in sorted(values.items())}
-
-
-def format_eval(report: dict[str, Any]) -> str:
-    from workers.rl.summary import format_table
-
-    accuracy = report["accuracy"]
-    lines = [f"{'model':36} {report['model']}",
-             f"{'mean reward':36} {accuracy['mean_reward']:.3f}",
-             f"{'passed (reward >= 0.5 or passed)':36} {accuracy['pass_rate']:.0%}",
-             f"{'grader errors':36} {accuracy['grader_errors']}"]
-    lines += [f"{'  mean ' + name:36} {value:.3f}" for name, value in accuracy.get("sub_rewards", {}).items()]
-    return "\n".join(lines) + "\n" + format_table(report["summary"])
 
 
 # --- variance diagnostic (docs/diagnostics.md) -------------------------------------------------

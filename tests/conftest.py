@@ -27,7 +27,7 @@ from app.auth.service import create_project
 from app.core.config import Settings
 from app.core.db import make_engine, make_session_factory
 from app.core.migrations import upgrade
-from app.demo import http_ok
+from examples.financial_reports.demo import http_ok
 from app.main import create_app
 from app.models import Base
 

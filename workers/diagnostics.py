@@ -51,16 +51,16 @@ class DiagnosticRun:
         return status
 
     async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
-        from pydantic import TypeAdapter
 
-        from app.graders.schemas import Grader
         from app.graders.service import grader_context
         from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
         from workers.rl.models import load_model
         from workers.rl.prompting import ChatFormatter
         from workers.rl.rollout import RolloutEngine
         from workers.rl.tools_client import ToolClient, ToolClientOptions
-        from workers.rl.trainer import job_tool_schemas, prompts_from_rows, resolve_hyperparameters
+        from workers.rl.data import job_tool_schemas, prompts_from_rows
+        from workers.rl.grading import load_grader
+        from workers.rl.hyperparameters import resolve_hyperparameters
 
         spec, reinforcement = self.spec, self.spec["method"]["reinforcement"]
         if rows is None:
@@ -78,7 +78,7 @@ class DiagnosticRun:
         if loaded is None:
             loaded = await asyncio.to_thread(load_model, spec["model"],
                                              dtype=(reinforcement.get("x_open_model") or {}).get("dtype"))
-        grader = TypeAdapter(Grader).validate_python(reinforcement["grader"])
+        grader = load_grader(reinforcement["grader"])
         async with ToolClient(tools, allowlist=self.settings.outbound_allowlist, options=options) as tool_client:
             engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,
                                    config.engine)

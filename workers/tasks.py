@@ -101,13 +101,12 @@ class JobRun:
         return self.client.file_rows(file_id) if file_id else []
 
     async def _train(self) -> Any:
-        from pydantic import TypeAdapter
 
-        from app.graders.schemas import Grader
         from app.graders.service import grader_context
         from workers.rl.models import load_model
         from workers.rl.tools_client import ToolClient
-        from workers.rl.trainer import Trainer, TrainingOutcome, resolve_hyperparameters
+        from workers.rl.hyperparameters import resolve_hyperparameters
+        from workers.rl.trainer import Trainer, TrainingOutcome
 
         reinforcement = self.job["method"]["reinforcement"]
         train_rows, valid_rows = self._rows(self.job["training_file"]), self._rows(self.job.get("validation_file"))
@@ -132,7 +131,7 @@ class JobRun:
         async with ToolClient(reinforcement.get("tools", []), allowlist=self.settings.outbound_allowlist) as tools:
             trainer = Trainer(
                 loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
-                grader=TypeAdapter(Grader).validate_python(reinforcement["grader"]),
+                grader=reinforcement["grader"],  # validated by the trainer's setup
                 grader_ctx=grader_context(self.settings), tool_client=tools, job_tools=reinforcement.get("tools", []),
                 work_dir=self.work_dir, hooks=hooks, resume_state=Path(resume) if resume else None,
             )

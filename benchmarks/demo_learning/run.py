@@ -44,7 +44,7 @@ def demo_settings() -> dict[str, Any]:
     """The demo's own settings (examples/financial_reports/demo_config.py), in the shape this
     benchmark uses: what the README quotes is what `make demo` runs."""
     from examples.financial_reports.demo_config import DEMO, dtype, grader_spec
-    from workers.rl.trainer import group_size_for
+    from workers.rl.hyperparameters import group_size_for
 
     x = DEMO.x_open_model
     return {
@@ -113,7 +113,8 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
     from workers.rl.prompting import ChatFormatter
     from workers.rl.rollout import RolloutEngine, RolloutSpec
     from workers.rl.toolcalls import ToolSchema
-    from workers.rl.trainer import grade_rollouts, rollout_seed
+    from workers.rl.data import rollout_seed
+    from workers.rl.grading import grade_rollouts
 
     schemas = [ToolSchema.from_openai(t) for t in TOOL_SCHEMAS]
     specs = [RolloutSpec(i, row["messages"], schemas, {key: v for key, v in row.items() if key != "messages"},
@@ -193,7 +194,7 @@ class QuietHooks:
 
 
 def training_config(settings: dict[str, Any], n_train: int, seed: int) -> Any:
-    from workers.rl.trainer import TrainingConfig
+    from workers.rl.hyperparameters import TrainingConfig
 
     t = settings["training"]
     n_epochs = math.ceil(t["steps"] * t["batch_size"] / n_train)  # at least `steps`; the hooks stop there

@@ -34,7 +34,7 @@ from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
                                load_model, merged_lora_weights, native_bf16_cpu,
                                sampling_weights)
-from workers.rl.trainer import TrainSequence, collate, micro_batches, token_logprobs
+from workers.rl.update import TrainSequence, collate, micro_batches, token_logprobs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
 MODEL = "SmolLM2-135M-Instruct"

@@ -44,7 +44,8 @@ async def measure(dtype: str, settings: dict[str, Any], port: int, rows: list[di
     from app.graders.core import GraderContext
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer, TrainSequence
+    from workers.rl.trainer import Trainer
+    from workers.rl.update import TrainSequence
 
     loaded = load_model(settings["model"], dtype=dtype)
     async with ToolClient(demo_learning.tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
@@ -77,7 +78,7 @@ async def measure(dtype: str, settings: dict[str, Any], port: int, rows: list[di
 
 
 def demo_learning_spec(trainer: Any, row: int, k: int) -> Any:
-    from workers.rl.trainer import rollout_seed, spec_for
+    from workers.rl.data import rollout_seed, spec_for
 
     return spec_for(trainer.train_prompts[row], rollout_seed(0, "precision", row, k))
 

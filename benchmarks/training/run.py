@@ -131,7 +131,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     from workers.rl.models import load_model
     from workers.rl.rollout import EngineConfig
     from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer, TrainingConfig
+    from workers.rl.hyperparameters import TrainingConfig
+    from workers.rl.trainer import Trainer
 
     total_steps = args.steps + 1  # the warm-up step, then the timed ones
     config = TrainingConfig(

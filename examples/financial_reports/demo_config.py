@@ -1,5 +1,5 @@
 """Every value the `agent-rft demo` run uses, in one place: model, task, system prompt, grader,
-training hyperparameters and the time budget. Change them here; app/demo.py and
+training hyperparameters and the time budget. Change them here; demo.py and
 benchmarks/demo_learning only read them. `DEMO` is the real run (SmolLM2-135M-Instruct; 5.6
 minutes on 2 CPU cores with native bf16, 6.8 with the install on a fresh clone; the target is 15); `QUICK` is the `--quick` run the tests use (a tiny random model, two steps).
 

@@ -1,5 +1,5 @@
 """The demo's task: questions one `search` can answer, split so that held-out questions are about
-companies never trained on. Used by `agent-rft demo` (app/demo.py) and benchmarks/demo_learning.
+companies never trained on. Used by `agent-rft demo` (demo.py beside it) and benchmarks/demo_learning.
 
 A synthetic report's opening paragraph quotes its year's revenue and net income ("In 2023, Acme
 Robotics reported revenue of $1,234.5 million, up 4.0% from 2022. Net income was $98.7 million."),

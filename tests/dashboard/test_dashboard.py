@@ -230,7 +230,7 @@ def test_plotly_js_is_served_from_the_installed_package(client):
 
 def test_chart_specs_draw_the_trainers_metric_keys():
     """The keys the charts draw are the ones the trainer reports: `tools.*` from the real
-    summary of real rollout records, the rest named in workers/rl/trainer.py; so a renamed
+    summary of real rollout records, the rest named in workers/rl/step_report.py; so a renamed
     metric cannot leave a chart silently empty."""
     from app.dashboard.charts import charted_keys
     from app.jobs.worker_service import flatten_metrics
@@ -241,7 +241,7 @@ def test_chart_specs_draw_the_trainers_metric_keys():
                           latency_s=0.1, bytes=3, error=None)
     tools = flatten_metrics({"tools": summarize([RolloutRecord(trace_id="t", sample_index=0, messages=[],
                                                                tool_calls=[call])])})
-    trainer = (APP_DIR.parents[1] / "workers" / "rl" / "trainer.py").read_text()
+    trainer = (APP_DIR.parents[1] / "workers" / "rl" / "step_report.py").read_text()
     exact, prefixes, _ = charted_keys()
     for key in exact + prefixes:
         if key.startswith("tools."):

@@ -21,7 +21,7 @@ from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine
 from workers.rl.toolcalls import HermesParser
 from workers.rl.tools_client import ToolClient
-from workers.rl.trainer import job_tool_schemas, prompts_from_rows, rollout_seed
+from workers.rl.data import job_tool_schemas, prompts_from_rows, rollout_seed
 
 TOOLS = [{"name": name, "description": name, "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
          for name in ("search", "cat")]

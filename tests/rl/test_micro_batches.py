@@ -8,8 +8,8 @@ import random
 import torch
 
 from workers.rl.models import apply_lora, load_model
-from workers.rl.trainer import (LossSettings, TrainSequence, collate, feedable_prefix, micro_batch_loss, micro_batches,
-                               token_logprobs)
+from workers.rl.update import (LossSettings, TrainSequence, collate, feedable_prefix, micro_batch_loss, micro_batches,
+                              token_logprobs)
 
 
 def sequences(n: int = 12) -> list[TrainSequence]:

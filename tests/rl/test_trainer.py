@@ -33,16 +33,9 @@ from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
 from workers.rl.toolcalls import ToolSchema
 from workers.rl.tools_client import ToolClient, ToolClientOptions
-from workers.rl.trainer import (
-    LossSettings,
-    Trainer,
-    TrainingConfig,
-    TrainSequence,
-    collate,
-    micro_batch_loss,
-    resolve_hyperparameters,
-    token_logprobs,
-)
+from workers.rl.hyperparameters import TrainingConfig, resolve_hyperparameters
+from workers.rl.trainer import Trainer
+from workers.rl.update import LossSettings, TrainSequence, collate, micro_batch_loss, token_logprobs
 from workers.rl.training_state import find_saved_state
 
 GRADERS = TypeAdapter(Grader)

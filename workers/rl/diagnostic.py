@@ -1,5 +1,5 @@
 """The variance diagnostic's engine side: every chosen sample run `runs_per_sample` times with
-the training engine, parser, tool client and grading (workers/rl/trainer.py's own helpers), in
+the training engine, parser, tool client and grading (the trainer's own modules: data.py, grading.py), in
 chunks, each chunk's graded records handed to the hooks (which push them to the control plane).
 The control plane computes the per-sample results, summary and verdict (app/diagnostics/summary.py).
 
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from workers.rl.rollout import RolloutEngine
-from workers.rl.trainer import Prompt, grade_rollouts, resolve_hyperparameters, rollout_seed, spec_for
+from workers.rl.data import Prompt, rollout_seed, spec_for
+from workers.rl.grading import grade_rollouts
+from workers.rl.hyperparameters import resolve_hyperparameters
 
 # compute_multipliers the tool-load projection covers (the job's own value is added).
 PROJECTED_COMPUTE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 10.0)

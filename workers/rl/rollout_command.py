@@ -10,15 +10,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from workers.rl.data import ROW_KEYS
 from workers.rl.models import LoadedModel, load_model
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutRecord, RolloutSpec
 from workers.rl.summary import format_table, summarize
 from workers.rl.toolcalls import ToolSchema
 from workers.rl.tools_client import ToolClient
-
-ROW_KEYS = ("messages", "tools")
-
 
 class RolloutInputError(ValueError):
     pass

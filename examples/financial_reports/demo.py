@@ -645,7 +645,7 @@ def write_report(demo: Demo, outcome: str, wall: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m app.demo`: the same run as `agent-rft demo`, with the same options."""
+    """`python -m examples.financial_reports.demo`: the same run as `agent-rft demo`, with the same options."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="agent-rft demo", description=__doc__.split("\n\n")[0])
