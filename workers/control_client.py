@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import RetryCallState
+
+from app.core.retry import excerpt, retrying
 
 log = logging.getLogger(__name__)
 
@@ -54,30 +55,21 @@ class ControlPlaneClient:
     and the trainer's hooks alike."""
 
     def __init__(self, api_url: str, token: str, *, timeout_s: float = 30.0, attempts: int = 5,
-                 backoff_s: float = 0.5) -> None:
+                 backoff_s: float = 0.5, backoff_max_s: float = 8.0) -> None:
         self.http = httpx.Client(base_url=api_url.rstrip("/") + "/internal/v1", timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {token}"})
-        self.attempts, self.backoff_s = attempts, backoff_s
+        self.attempts, self.backoff_s, self.backoff_max_s = attempts, backoff_s, backoff_max_s
         self.lease_id: str | None = None
 
     def close(self) -> None:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """Retry connection errors, timeouts and 5xx (every internal call is idempotent)."""
-        for attempt in range(1, self.attempts + 1):
-            try:
-                response = self.http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                if attempt == self.attempts:
-                    raise
-                log.warning("control plane unreachable (%s), retrying", exc)
-            else:
-                if response.status_code < 500 or attempt == self.attempts:
-                    return self._checked(response)
-                log.warning("control plane answered %s, retrying", response.status_code)
-            time.sleep(self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+        """Retry what app.core.retry calls transient: connection errors, timeouts, 408, 429 and
+        5xx (every internal call is idempotent). Any other 4xx, 409 lease_lost included, is final."""
+        policy = retrying(attempts=self.attempts, base_s=self.backoff_s, max_s=self.backoff_max_s,
+                          before_sleep=_log_retry)
+        return self._checked(policy(self.http.request, method, path, **kwargs))
 
     @staticmethod
     def _checked(response: httpx.Response) -> httpx.Response:
@@ -87,7 +79,7 @@ class ControlPlaneClient:
             error = response.json()["error"]
             code, message = error.get("code"), error.get("message", "")
         except (ValueError, KeyError, TypeError):
-            code, message = None, response.text[:500]
+            code, message = None, excerpt(response.text, 500)
         raise _ERRORS.get(code or "", ControlPlaneError)(response.status_code, code, message)
 
     def _leased(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +155,14 @@ class ControlPlaneClient:
     def diagnostic(self, diagnostic_id: str) -> dict[str, Any]:
         """The diagnostic as users see it, results included."""
         return self._request("GET", f"/diagnostics/{diagnostic_id}").json()
+
+
+def _log_retry(retry_state: RetryCallState) -> None:
+    outcome = retry_state.outcome
+    if outcome is not None and outcome.failed:
+        log.warning("control plane unreachable (%s), retrying", outcome.exception())
+    elif outcome is not None:
+        log.warning("control plane answered %s, retrying", outcome.result().status_code)
 
 
 class Heartbeat(threading.Thread):

@@ -111,9 +111,7 @@ def list_files(
         stmt = stmt.where(StoredFile.purpose == purpose)
     rows, has_more = page(session, stmt, StoredFile, after=after, limit=limit, descending=order == "desc")
     data = [to_schema(r) for r in rows]
-    return ListPage[FileObject](
-        data=data, has_more=has_more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return ListPage[FileObject].of(data, has_more)
 
 
 def delete_file(*, session: Session, project_id: str, file_id: str) -> str:

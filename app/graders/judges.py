@@ -6,27 +6,27 @@ messages with a `JudgeReply`; failures to get an answer raise GraderError with
 `model_grader_server_error`.
 
 The outbound half (`post_json`, `http_client`) is also what the `endpoint` grader uses:
-one SSRF-guarded, pooled httpx client per context and event loop, and retries with backoff.
+one SSRF-guarded, pooled httpx client per context and event loop, and retries with backoff
+(the policy of app.core.retry).
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from tenacity import retry_if_exception_type
 
+from app.core.retry import async_retrying, excerpt, retryable_status
 from app.core.urls import BlockedURL, guard_url, guarded_client
 from app.graders.core import GraderContext, GraderError
 
-# Transient answers worth another try; every other 4xx is the caller's mistake and final.
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(505, 600))
 RETRY_BACKOFF_S = 0.5  # first backoff; doubled per retry, with jitter
-EXCERPT_CHARS = 300
+RETRY_BACKOFF_MAX_S = 8.0
 NO_JUDGE_MESSAGE = (
     "no judge model is configured for score_model/label_model graders: set AGENT_RFT_JUDGE_BASE_URL "
     "(an OpenAI-compatible chat-completions endpoint) or AGENT_RFT_JUDGE_LOCAL_MODEL (a local model)"
@@ -39,11 +39,6 @@ LOCAL_DEFAULT_MAX_TOKENS = 256
 
 class Unresponsive(Exception):
     """No usable answer after every attempt (5xx, 408/429, timeouts, connection errors)."""
-
-
-def excerpt(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + "…"
 
 
 def loop_state(ctx: GraderContext) -> dict[str, Any]:
@@ -86,7 +81,7 @@ async def _post_once(client: httpx.AsyncClient, url: str, body: Any, headers: di
         raise Unresponsive(f"no answer from {url} within {timeout:g} s") from None
     except httpx.TransportError as exc:
         raise Unresponsive(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
-    if response.status_code in RETRYABLE_STATUS:
+    if retryable_status(response.status_code):
         raise Unresponsive(f"{url} answered {response.status_code}: {excerpt(response.text)}")
     return response
 
@@ -102,18 +97,19 @@ async def post_json(
     """
     await _check_url(url, ctx)
     client = http_client(ctx)
-    for attempt in range(attempts):
-        try:
-            if limiter is not None:
-                async with limiter:
-                    return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+
+    async def attempt() -> httpx.Response:
+        if limiter is None:
             return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
-        except Unresponsive as exc:
-            if attempt == attempts - 1:
-                raise Unresponsive(f"{exc} (after {attempts} attempts)") from None
-            delay = RETRY_BACKOFF_S * 2**attempt
-            await asyncio.sleep(delay / 2 + random.uniform(0, delay / 2))  # equal jitter
-    raise AssertionError("unreachable")
+        async with limiter:
+            return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+
+    policy = async_retrying(attempts=attempts, base_s=RETRY_BACKOFF_S, max_s=RETRY_BACKOFF_MAX_S,
+                            retry=retry_if_exception_type(Unresponsive))
+    try:
+        return await policy(attempt)
+    except Unresponsive as exc:
+        raise Unresponsive(f"{exc} (after {attempts} attempts)") from None
 
 
 # --- judges ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, conflict, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage, page
+from app.core.retry import excerpt
 from app.core.urls import BlockedURL, guard_url
 from app.webhooks.events import EVENT_TYPES, event_body
 from app.webhooks.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
@@ -99,8 +100,7 @@ def list_endpoints(*, session: Session, project_id: str, after: str | None, limi
     stmt = select(WebhookEndpoint).where(WebhookEndpoint.project_id == project_id)
     rows, has_more = page(session, stmt, WebhookEndpoint, after=after, limit=limit)
     data = [_endpoint_object(r) for r in rows]
-    return ListPage[EndpointObject](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                                    last_id=data[-1].id if data else None)
+    return ListPage[EndpointObject].of(data, has_more)
 
 
 def get_endpoint(*, session: Session, project_id: str, endpoint_id: str) -> EndpointObject:
@@ -217,8 +217,7 @@ def list_deliveries(*, session: Session, project_id: str, endpoint_id: str, stat
         stmt = stmt.where(WebhookDelivery.state == status)
     rows, has_more = page(session, stmt, WebhookDelivery, after=after, limit=limit)
     data = _delivery_objects(session, rows)
-    return ListPage[DeliveryObject](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                                    last_id=data[-1].id if data else None)
+    return ListPage[DeliveryObject].of(data, has_more)
 
 
 def _delivery_row(session: Session, ep: WebhookEndpoint, delivery_id: str, *, lock: bool = False) -> WebhookDelivery:
@@ -247,8 +246,7 @@ def list_attempts(*, session: Session, project_id: str, endpoint_id: str, delive
     stmt = select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
     rows, has_more = page(session, stmt, WebhookAttempt, after=after, limit=limit)
     data = [_attempt_object(a) for a in rows]
-    return ListPage[AttemptObject](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                                   last_id=data[-1].id if data else None)
+    return ListPage[AttemptObject].of(data, has_more)
 
 
 def redeliver(*, session: Session, project_id: str, endpoint_id: str, delivery_id: str) -> DeliveryObject:
@@ -383,7 +381,7 @@ def report_attempt(*, session: Session, settings: Settings, delivery_id: str,
         succeeded = body.status_code is not None and 200 <= body.status_code < 300
         error = None if succeeded else (body.error or f"the endpoint answered HTTP {body.status_code}")
         attempt.status_code, attempt.latency_ms, attempt.error = body.status_code, body.latency_ms, error
-        attempt.response_excerpt = body.response_excerpt[:EXCERPT_CHARS] if body.response_excerpt else None
+        attempt.response_excerpt = excerpt(body.response_excerpt, EXCERPT_CHARS) if body.response_excerpt else None
         attempt.outcome = "delivered" if succeeded else "failed"
         current = delivery.claim_id == body.claim_id
         if current:

@@ -360,6 +360,27 @@ def test_endpoint_that_keeps_failing_is_unresponsive(judge):
     assert len(scripted.requests) == 4  # the first try and 3 retries
 
 
+
+def test_endpoint_408_and_429_are_retried_but_other_4xx_are_final(judge):
+    scripted, base_url = judge
+    scripted.reset((429, "slow down"), (408, "request timeout"), (200, {"score": 0.5}))
+    result = run_grade(endpoint_grader(base_url), "x", ctx=context())
+    assert result.reward == 0.5 and set_flags(result) == []
+    assert len(scripted.requests) == 3
+
+    scripted.reset((409, "conflict"), (200, {"score": 1.0}))
+    conflict = run_grade(endpoint_grader(base_url), "x", ctx=context())
+    assert set_flags(conflict) == ["other_error"] and "409" in conflict.errors["details"]
+    assert len(scripted.requests) == 1
+
+
+def test_judge_429_is_retried(judge):
+    scripted, base_url = judge
+    scripted.reset((429, {"error": "rate limited"}), completion('{"result": 1}'))
+    result = run_grade(score_grader(), "x", ctx=context(base_url))
+    assert result.reward == 1 and set_flags(result) == []
+    assert len(scripted.requests) == 2
+
 def test_endpoint_4xx_bad_json_and_missing_score_are_other_errors(judge):
     scripted, base_url = judge
     scripted.reset((400, {"detail": "item.reference_answer is required"}), (200, "<html>oops</html>"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator, Iterator
@@ -192,6 +193,44 @@ def test_a_closed_port_fails_after_retries(server: ToolServer) -> None:
     assert (result.status, result.attempts, result.status_code) == ("failed", 4, None)
     assert "ConnectError" in result.error
 
+
+
+def test_408_and_429_are_retried_like_5xx_and_each_retry_is_logged(server: ToolServer, caplog) -> None:  # noqa: ANN001
+    server.script("search", 429, 408, 200)
+    with caplog.at_level(logging.INFO, logger="workers.rl.tools_client"):
+        result = call_once([endpoint(server, "search")], "search")
+
+    assert (result.status, result.attempts, result.status_code) == ("ok", 3, 200)
+    assert len(server.seen("search")) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "tool search: attempt 1 failed (HTTP 429: scripted 429); retrying",
+        "tool search: attempt 2 failed (HTTP 408: scripted 408); retrying",
+    ]
+
+
+def test_retries_0_makes_a_single_attempt(server: ToolServer) -> None:
+    server.script("search", 503, 200)
+    result = call_once([endpoint(server, "search")], "search",
+                       options=ToolClientOptions(retries=0, backoff_base_s=0.01))
+    assert (result.status, result.attempts, result.status_code) == ("failed", 1, 503)
+    assert "failed after 1 attempt(s): HTTP 503: scripted 503" in result.output
+    assert len(server.seen("search")) == 1
+
+
+def test_concurrent_calls_count_their_own_attempts(server: ToolServer) -> None:
+    server.script("flaky", 500, 500, 200)
+    server.script("steady", 200)
+
+    async def go() -> list[ToolResult]:
+        tools = [endpoint(server, "flaky"), endpoint(server, "steady")]
+        async with ToolClient(tools, allowlist=LOCAL, options=FAST) as client:
+            return await asyncio.gather(*[
+                client.call(trace_id="t", call_id=f"call_{name}", name=name, arguments_json="{}", item={})
+                for name in ("flaky", "steady")])
+
+    flaky, steady = asyncio.run(go())
+    assert (flaky.status, flaky.attempts) == ("ok", 3)
+    assert (steady.status, steady.attempts) == ("ok", 1)
 
 def test_a_slow_tool_times_out_and_is_retried(server: ToolServer) -> None:
     server.script("slow", delay_s=1.0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,17 +30,15 @@ from typing import Any, Literal
 
 import httpx
 from aiolimiter import AsyncLimiter
+from tenacity import RetryCallState, retry_if_result
 
 from app.core.ids import new_id
+from app.core.retry import async_retrying, excerpt, retryable_error, retryable_status
 from app.core.urls import BlockedURL, Resolver, guarded_client
 
 logger = logging.getLogger(__name__)
 
 ToolStatus = Literal["ok", "client_error", "failed", "blocked", "unknown_tool"]
-
-# Transient answers worth another try; every other 4xx is shown to the model.
-RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
-ERROR_EXCERPT_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class ToolClientOptions:
     read_timeout_s: float = 60.0  # longest silence while waiting for / reading the reply
     attempt_timeout_s: float = 120.0  # whole attempt, so a server trickling bytes cannot hang a rollout
     retries: int = 3
-    backoff_base_s: float = 0.5  # first backoff; doubled per retry, with jitter
+    backoff_base_s: float = 0.5  # first backoff; doubled per retry, with jitter (app.core.retry)
     backoff_max_s: float = 8.0
     max_output_bytes: int = 1_048_576
 
@@ -190,18 +187,16 @@ class ToolClient:
         return self._result(name, call_id, attempt, attempts, time.monotonic() - started)
 
     async def _send_with_retries(self, tool: _Tool, content: bytes) -> tuple[_Attempt, int]:
-        total = 1 + max(0, self.options.retries)
-        for number in range(1, total + 1):
-            attempt = await self._send_once(tool, content)
-            if not attempt.retryable or number == total:
-                return attempt, number
-            logger.info("tool %s: attempt %d failed (%s); retrying", tool.endpoint.name, number, attempt.error)
-            await asyncio.sleep(self._backoff(number))
-        raise AssertionError("unreachable")
+        """The last attempt's outcome and how many were made (1 + `retries` at most)."""
+        def log_retry(retry_state: RetryCallState) -> None:
+            logger.info("tool %s: attempt %d failed (%s); retrying", tool.endpoint.name,
+                        retry_state.attempt_number, retry_state.outcome.result().error)
 
-    def _backoff(self, retry_number: int) -> float:
-        delay = min(self.options.backoff_max_s, self.options.backoff_base_s * 2 ** (retry_number - 1))
-        return delay / 2 + random.uniform(0, delay / 2)  # equal jitter: spread retries of many rollouts
+        opts = self.options
+        policy = async_retrying(attempts=1 + max(0, opts.retries), base_s=opts.backoff_base_s,
+                                max_s=opts.backoff_max_s, retry=retry_if_result(_is_retryable), before_sleep=log_retry)
+        attempt = await policy(self._send_once, tool, content)
+        return attempt, policy.statistics["attempt_number"]
 
     async def _send_once(self, tool: _Tool, content: bytes) -> _Attempt:
         async with tool.semaphore:
@@ -216,9 +211,9 @@ class ToolClient:
                 opts = self.options
                 error = (f"timeout ({type(exc).__name__}; limits: connect {opts.connect_timeout_s:g} s, "
                          f"read {opts.read_timeout_s:g} s, attempt {opts.attempt_timeout_s:g} s)")
-                return _Attempt(status="failed", error=error, retryable=True)
+                return _Attempt(status="failed", error=error, retryable=retryable_error(exc))
             except httpx.TransportError as exc:
-                return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}", retryable=True)
+                return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}", retryable=retryable_error(exc))
             except Exception as exc:  # noqa: BLE001 - whatever goes wrong is the tool's failure, not the job's
                 logger.warning("tool %s: unexpected error", tool.endpoint.name, exc_info=True)
                 return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}")
@@ -237,13 +232,13 @@ class ToolClient:
             output = text if truncated else _output_from(text)  # a cut-off JSON reply cannot be parsed
             return _Attempt(status="ok", output=self._with_truncation_notice(output, truncated), status_code=code,
                             size=size, truncated=truncated)
-        if code in RETRYABLE_STATUS:
+        if retryable_status(code):
             return _Attempt(status="failed", status_code=code, size=size, retryable=True,
-                            error=f"HTTP {code}: {_excerpt(text)}")
+                            error=f"HTTP {code}: {excerpt(text)}")
         if 400 <= code < 500:
             output = text if text.strip() else f"error: the tool answered HTTP {code} {response.reason_phrase}"
             return _Attempt(status="client_error", output=self._with_truncation_notice(output, truncated),
-                            status_code=code, size=size, truncated=truncated, error=f"HTTP {code}: {_excerpt(text)}")
+                            status_code=code, size=size, truncated=truncated, error=f"HTTP {code}: {excerpt(text)}")
         location = response.headers.get("location", "")
         error = f"HTTP {code}" + (f" redirect to {location} (redirects are not followed)" if location else "")
         return _Attempt(status="failed", status_code=code, size=size, error=error)
@@ -297,6 +292,5 @@ def _output_from(text: str) -> str:
     return text
 
 
-def _excerpt(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= ERROR_EXCERPT_CHARS else text[:ERROR_EXCERPT_CHARS] + "…"
+def _is_retryable(attempt: _Attempt) -> bool:
+    return attempt.retryable

@@ -2,8 +2,8 @@
 
 POST {url} with the configured headers and `{"sample", "item", "trace_id"}`; the reply is
 `{"score": <number>}` (`{"reward": <number>}` is accepted too). 5xx, 408, 429, timeouts and
-connection errors are retried 3 times with backoff; `rate_limit` caps requests per second to
-one URL across every concurrent grading in this process.
+connection errors are retried 3 times with backoff (app.core.retry); `rate_limit` caps requests
+per second to one URL across every concurrent grading in this process.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 from aiolimiter import AsyncLimiter
 
 from app.core.ids import new_id
+from app.core.retry import excerpt
 from app.core.urls import BlockedURL
 from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.judges import Unresponsive, excerpt, loop_state, post_json
+from app.graders.judges import Unresponsive, loop_state, post_json
 from app.graders.schemas import EndpointGrader
 
 ATTEMPTS = 4  # the first try and 3 retries

@@ -12,8 +12,9 @@ import math
 import re
 from typing import Any
 
+from app.core.retry import excerpt
 from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.judges import JudgeReply, ask_judge, excerpt
+from app.graders.judges import JudgeReply, ask_judge
 from app.graders.schemas import LabelModelGrader, ScoreModelGrader
 from app.graders.templating import render
 
