@@ -164,7 +164,7 @@ class ControlPlane:
     async def _answer(self, path: str, request: Request):  # noqa: ANN202
         with self.lock:
             self.paths.append("/" + path)
-            status, body = self.script.popleft() if self.script else (200, {"action": "continue"})
+            status, body = self.script.popleft() if self.script else (200, {"action": "continue", "lease_expires_at": 1})
         if isinstance(body, str):
             return PlainTextResponse(body, status_code=status)
         return JSONResponse(body, status_code=status)
@@ -184,7 +184,6 @@ def control_plane(running_control_plane: tuple[ControlPlane, int]) -> Iterator[t
     plane.script.clear()
     client = ControlPlaneClient(f"http://127.0.0.1:{port}", "worker-token", timeout_s=5, attempts=4,
                                 backoff_s=0.01, backoff_max_s=0.02)
-    client.lease_id = "lease_1"
     yield plane, client
     client.close()
 
@@ -195,9 +194,10 @@ def _error(code: str, message: str) -> dict[str, Any]:
 
 def test_control_client_retries_5xx_until_the_control_plane_answers(control_plane, caplog) -> None:  # noqa: ANN001
     plane, client = control_plane
-    plane.script.extend([(503, "restarting"), (502, "bad gateway"), (200, {"action": "pause"})])
+    plane.script.extend([(503, "restarting"), (502, "bad gateway"),
+                         (200, {"action": "pause", "lease_expires_at": 1})])
     with caplog.at_level(logging.WARNING, logger="workers.control_client"):
-        assert client.heartbeat("ftjob-1") == "pause"
+        assert client.heartbeat("ftjob-1", "lease_1") == "pause"
     assert plane.paths == ["/jobs/ftjob-1/heartbeat"] * 3
     assert [r.getMessage() for r in caplog.records] == ["control plane answered 503, retrying",
                                                         "control plane answered 502, retrying"]
@@ -205,8 +205,9 @@ def test_control_client_retries_5xx_until_the_control_plane_answers(control_plan
 
 def test_control_client_retries_408_and_429_like_every_transient_answer(control_plane) -> None:  # noqa: ANN001
     plane, client = control_plane
-    plane.script.extend([(429, "slow down"), (408, "request timeout"), (200, {"action": "continue"})])
-    assert client.heartbeat("ftjob-1") == "continue"
+    plane.script.extend([(429, "slow down"), (408, "request timeout"),
+                         (200, {"action": "continue", "lease_expires_at": 1})])
+    assert client.heartbeat("ftjob-1", "lease_1") == "continue"
     assert len(plane.paths) == 3
 
 
@@ -214,7 +215,7 @@ def test_control_client_gives_up_after_its_attempts_with_the_last_answer(control
     plane, client = control_plane
     plane.script.extend([(500, "down")] * 3 + [(503, "still down " + "x" * 600)])
     with pytest.raises(ControlPlaneError) as raised:
-        client.heartbeat("ftjob-1")
+        client.heartbeat("ftjob-1", "lease_1")
     assert raised.value.status_code == 503 and raised.value.code is None
     assert raised.value.message.startswith("still down") and raised.value.message.endswith("…")
     assert len(plane.paths) == 4  # `attempts` in all
@@ -224,7 +225,7 @@ def test_control_client_4xx_is_final_and_lease_lost_is_raised_at_once(control_pl
     plane, client = control_plane
     plane.script.append((409, _error("lease_lost", "the lease expired")))
     with pytest.raises(LeaseLost, match="the lease expired"):
-        client.push_step("ftjob-1", 3, {"loss": 0.5})
+        client.push_step("ftjob-1", "lease_1", 3, {"loss": 0.5})
     assert plane.paths == ["/jobs/ftjob-1/steps/3"]
 
     plane.paths.clear()
@@ -240,7 +241,7 @@ def test_control_client_retries_an_unreachable_control_plane_then_raises(caplog)
                                 backoff_s=0.01, backoff_max_s=0.02)
     try:
         with caplog.at_level(logging.WARNING, logger="workers.control_client"), pytest.raises(httpx.ConnectError):
-            client.heartbeat("ftjob-1")
+            client.heartbeat("ftjob-1", "lease_1")
     finally:
         client.close()
     messages = [r.getMessage() for r in caplog.records]

@@ -3,23 +3,41 @@
 Workers hold no database credentials: everything they read or report goes through these
 calls, authenticated with AGENT_RFT_WORKER_TOKEN. Every push is idempotent on the server, so
 a push that failed half-way is simply sent again.
+
+The answers are validated here, once, into the worker API's own schemas
+(app/jobs/worker_schemas.py, app/diagnostics/worker_schemas.py): the rest of the worker reads
+typed objects, not dicts. Every leased call names its lease, so one client serves a job and
+the diagnostic it runs before training.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from tenacity import RetryCallState
 
+from pydantic import BaseModel
+
 from app.core.retry import excerpt, retrying
+from app.core.worker_schemas import HeartbeatResponse
+from app.diagnostics.schemas import DiagnosticObject
+from app.diagnostics.worker_schemas import DiagnosticClaimResponse, DiagnosticFinishResult, DiagnosticRolloutResult, JobDiagnostic
+from app.jobs.worker_schemas import CheckpointResult, ClaimResponse
 
 log = logging.getLogger(__name__)
+
+
+def worker_id() -> str:
+    """Who claims: host, process and a random suffix (a claim names its worker in events)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 class ControlPlaneError(Exception):
@@ -43,11 +61,7 @@ class LeaseLost(ControlPlaneError):
 _ERRORS = {"lease_held": LeaseHeld, "not_claimable": NotClaimable, "lease_lost": LeaseLost}
 
 
-@dataclass
-class Claim:
-    lease_id: str
-    lease_expires_at: int
-    job: dict[str, Any]
+Answer = TypeVar("Answer", bound=BaseModel)
 
 
 class ControlPlaneClient:
@@ -59,7 +73,6 @@ class ControlPlaneClient:
         self.http = httpx.Client(base_url=api_url.rstrip("/") + "/internal/v1", timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {token}"})
         self.attempts, self.backoff_s, self.backoff_max_s = attempts, backoff_s, backoff_max_s
-        self.lease_id: str | None = None
 
     def close(self) -> None:
         self.http.close()
@@ -82,17 +95,16 @@ class ControlPlaneClient:
             code, message = None, excerpt(response.text, 500)
         raise _ERRORS.get(code or "", ControlPlaneError)(response.status_code, code, message)
 
-    def _leased(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, **body}
+    def _answer(self, schema: type[Answer], method: str, path: str, **kwargs: Any) -> Answer:
+        return schema.model_validate(self._request(method, path, **kwargs).json())
 
     # --- the job's life -------------------------------------------------------------------
-    def claim(self, job_id: str, worker_id: str) -> Claim:
-        data = self._request("POST", f"/jobs/{job_id}/claim", json={"worker_id": worker_id}).json()
-        self.lease_id = data["lease_id"]
-        return Claim(lease_id=data["lease_id"], lease_expires_at=data["lease_expires_at"], job=data["job"])
+    def claim(self, job_id: str, worker_id: str) -> ClaimResponse:
+        return self._answer(ClaimResponse, "POST", f"/jobs/{job_id}/claim", json={"worker_id": worker_id})
 
-    def heartbeat(self, job_id: str) -> str:
-        return self._request("POST", f"/jobs/{job_id}/heartbeat", json=self._leased({})).json()["action"]
+    def heartbeat(self, job_id: str, lease_id: str) -> str:
+        return self._answer(HeartbeatResponse, "POST", f"/jobs/{job_id}/heartbeat",
+                            json={"lease_id": lease_id}).action
 
     def file_content(self, file_id: str) -> bytes:
         return self._request("GET", f"/files/{file_id}/content").content
@@ -102,59 +114,60 @@ class ControlPlaneClient:
         text = self.file_content(file_id).decode("utf-8")
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
-    def push_step(self, job_id: str, step: int, metrics: dict[str, Any]) -> None:
-        self._request("PUT", f"/jobs/{job_id}/steps/{step}", json=self._leased({"metrics": metrics}))
+    def push_step(self, job_id: str, lease_id: str, step: int, metrics: dict[str, Any]) -> None:
+        self._request("PUT", f"/jobs/{job_id}/steps/{step}", json={"lease_id": lease_id, "metrics": metrics})
 
-    def push_event(self, job_id: str, key: str, level: str, message: str, data: dict[str, Any] | None = None) -> None:
+    def push_event(self, job_id: str, lease_id: str, key: str, level: str, message: str,
+                   data: dict[str, Any] | None = None) -> None:
         self._request("POST", f"/jobs/{job_id}/events",
-                      json=self._leased({"key": key, "level": level, "message": message, "data": data}))
+                      json={"lease_id": lease_id, "key": key, "level": level, "message": message, "data": data})
 
-    def push_rollouts(self, job_id: str, step: int, split: str, records: list[dict[str, Any]]) -> None:
+    def push_rollouts(self, job_id: str, lease_id: str, step: int, split: str, records: list[dict[str, Any]]) -> None:
         self._request("POST", f"/jobs/{job_id}/rollouts",
-                      json=self._leased({"step": step, "split": split, "records": records}))
+                      json={"lease_id": lease_id, "step": step, "split": split, "records": records})
 
-    def push_checkpoint(self, job_id: str, step: int, path: str, metrics: dict[str, Any]) -> list[str]:
-        response = self._request("PUT", f"/jobs/{job_id}/checkpoints/{step}",
-                                 json=self._leased({"path": path, "metrics": metrics}))
-        return list(response.json().get("delete_paths", []))
+    def push_checkpoint(self, job_id: str, lease_id: str, step: int, path: str, metrics: dict[str, Any]) -> list[str]:
+        return self._answer(CheckpointResult, "PUT", f"/jobs/{job_id}/checkpoints/{step}",
+                            json={"lease_id": lease_id, "path": path, "metrics": metrics}).delete_paths
 
-    def push_state(self, job_id: str, *, completed_steps: int, resume_state: str,
+    def push_state(self, job_id: str, lease_id: str, *, completed_steps: int, resume_state: str,
                    resolved_hyperparameters: dict[str, Any] | None, trained_tokens: int | None) -> None:
-        self._request("POST", f"/jobs/{job_id}/state", json=self._leased({
-            "completed_steps": completed_steps, "resume_state": resume_state,
-            "resolved_hyperparameters": resolved_hyperparameters, "trained_tokens": trained_tokens}))
+        self._request("POST", f"/jobs/{job_id}/state", json={
+            "lease_id": lease_id, "completed_steps": completed_steps, "resume_state": resume_state,
+            "resolved_hyperparameters": resolved_hyperparameters, "trained_tokens": trained_tokens})
 
-    def finish(self, job_id: str, status: str, *, error: dict[str, Any] | None = None,
+    def finish(self, job_id: str, lease_id: str, status: str, *, error: dict[str, Any] | None = None,
                trained_tokens: int | None = None) -> None:
         self._request("POST", f"/jobs/{job_id}/finish",
-                      json=self._leased({"status": status, "error": error, "trained_tokens": trained_tokens}))
+                      json={"lease_id": lease_id, "status": status, "error": error, "trained_tokens": trained_tokens})
 
-    def job_diagnostic(self, job_id: str) -> dict[str, Any]:
-        """The variance diagnostic this (leased) job runs before training: {id, status, created}."""
-        return self._request("POST", f"/jobs/{job_id}/diagnostic", json=self._leased({})).json()
+    def job_diagnostic(self, job_id: str, lease_id: str) -> JobDiagnostic:
+        """The variance diagnostic this (leased) job runs before training."""
+        return self._answer(JobDiagnostic, "POST", f"/jobs/{job_id}/diagnostic", json={"lease_id": lease_id})
 
-    # --- a variance diagnostic's life (one client per claim: it holds that claim's lease) ----
-    def claim_diagnostic(self, diagnostic_id: str, worker_id: str) -> Claim:
-        data = self._request("POST", f"/diagnostics/{diagnostic_id}/claim", json={"worker_id": worker_id}).json()
-        self.lease_id = data["lease_id"]
-        return Claim(lease_id=data["lease_id"], lease_expires_at=data["lease_expires_at"], job=data["diagnostic"])
+    # --- a variance diagnostic's life -----------------------------------------------------
+    def claim_diagnostic(self, diagnostic_id: str, worker_id: str) -> DiagnosticClaimResponse:
+        return self._answer(DiagnosticClaimResponse, "POST", f"/diagnostics/{diagnostic_id}/claim",
+                            json={"worker_id": worker_id})
 
-    def diagnostic_heartbeat(self, diagnostic_id: str) -> str:
-        return self._request("POST", f"/diagnostics/{diagnostic_id}/heartbeat", json=self._leased({})).json()["action"]
+    def diagnostic_heartbeat(self, diagnostic_id: str, lease_id: str) -> str:
+        return self._answer(HeartbeatResponse, "POST", f"/diagnostics/{diagnostic_id}/heartbeat",
+                            json={"lease_id": lease_id}).action
 
-    def push_diagnostic_rollouts(self, diagnostic_id: str, records: list[dict[str, Any]], *,
+    def push_diagnostic_rollouts(self, diagnostic_id: str, lease_id: str, records: list[dict[str, Any]], *,
                                  samples_total: int | None = None, load_basis: dict[str, Any] | None = None
-                                 ) -> dict[str, Any]:
-        return self._request("POST", f"/diagnostics/{diagnostic_id}/rollouts", json=self._leased({
-            "records": records, "samples_total": samples_total, "load_basis": load_basis})).json()
+                                 ) -> DiagnosticRolloutResult:
+        return self._answer(DiagnosticRolloutResult, "POST", f"/diagnostics/{diagnostic_id}/rollouts", json={
+            "lease_id": lease_id, "records": records, "samples_total": samples_total, "load_basis": load_basis})
 
-    def finish_diagnostic(self, diagnostic_id: str, status: str, *, error: dict[str, Any] | None = None) -> str:
-        return self._request("POST", f"/diagnostics/{diagnostic_id}/finish",
-                             json=self._leased({"status": status, "error": error})).json()["status"]
+    def finish_diagnostic(self, diagnostic_id: str, lease_id: str, status: str, *,
+                          error: dict[str, Any] | None = None) -> str:
+        return self._answer(DiagnosticFinishResult, "POST", f"/diagnostics/{diagnostic_id}/finish",
+                            json={"lease_id": lease_id, "status": status, "error": error}).status
 
-    def diagnostic(self, diagnostic_id: str) -> dict[str, Any]:
+    def diagnostic(self, diagnostic_id: str) -> DiagnosticObject:
         """The diagnostic as users see it, results included."""
-        return self._request("GET", f"/diagnostics/{diagnostic_id}").json()
+        return self._answer(DiagnosticObject, "GET", f"/diagnostics/{diagnostic_id}")
 
 
 def _log_retry(retry_state: RetryCallState) -> None:
@@ -169,21 +182,21 @@ class Heartbeat(threading.Thread):
     """Keeps the lease alive from its own thread (training blocks the event loop for seconds at
     a time) and remembers what the control plane asked for: continue, pause, cancel, or lost."""
 
-    def __init__(self, client: ControlPlaneClient, job_id: str, interval_s: float,
-                 call: Callable[[str], str] | None = None) -> None:
-        super().__init__(name=f"heartbeat-{job_id}", daemon=True)
-        self.client, self.job_id, self.interval_s = client, job_id, interval_s
+    def __init__(self, client: ControlPlaneClient, run_id: str, lease_id: str, interval_s: float,
+                 call: Callable[[str, str], str] | None = None) -> None:
+        super().__init__(name=f"heartbeat-{run_id}", daemon=True)
+        self.client, self.run_id, self.lease_id, self.interval_s = client, run_id, lease_id, interval_s
         self.call = call or client.heartbeat  # client.diagnostic_heartbeat for a diagnostic
         self.action = "continue"
         self._stop_event = threading.Event()
 
     def beat(self) -> str:
         try:
-            self.action = self.call(self.job_id)
+            self.action = self.call(self.run_id, self.lease_id)
         except LeaseLost:
             self.action = "lost"
         except (ControlPlaneError, httpx.TransportError) as exc:
-            log.warning("heartbeat for %s failed: %s", self.job_id, exc)
+            log.warning("heartbeat for %s failed: %s", self.run_id, exc)
         return self.action
 
     def run(self) -> None:

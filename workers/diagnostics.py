@@ -2,8 +2,8 @@
 `x_open_model.diagnostic` runs before training (workers/tasks.py). Claim under a lease,
 heartbeat, the rows, the model, the rollouts (workers/rl/diagnostic.py), pushes, finish.
 
-Each claim gets its own ControlPlaneClient: a client holds one lease, and a job's worker holds
-the job's lease and its diagnostic's at the same time.
+A job's worker holds the job's lease and its diagnostic's at the same time, on one client: every
+call names its lease.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import logging
 import time
 from typing import Any
 
-from workers.control_client import Claim, ControlPlaneClient, Heartbeat, LeaseHeld
+from app.diagnostics.worker_schemas import DiagnosticClaimResponse
+from workers.control_client import ControlPlaneClient, Heartbeat, LeaseHeld
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +23,12 @@ class DiagnosticRun:
     """One claimed diagnostic. `outer` is the heartbeat of the job that runs it, if any: when the
     job is paused, cancelled or lost, the diagnostic stops at its next chunk."""
 
-    def __init__(self, client: ControlPlaneClient, claim: Claim, settings: Any, *,
+    def __init__(self, client: ControlPlaneClient, claim: DiagnosticClaimResponse, settings: Any, *,
                  outer: Heartbeat | None = None) -> None:
-        self.client, self.claim, self.settings, self.outer = client, claim, settings, outer
-        self.spec = claim.job
-        self.id = self.spec["id"]
-        self.heartbeat = Heartbeat(client, self.id, interval_s=max(1.0, settings.lease_seconds / 4),
+        self.client, self.settings, self.outer = client, settings, outer
+        self.spec, self.lease_id = claim.diagnostic, claim.lease_id
+        self.id = self.spec.id
+        self.heartbeat = Heartbeat(client, self.id, self.lease_id, interval_s=max(1.0, settings.lease_seconds / 4),
                                    call=client.diagnostic_heartbeat)
 
     async def run(self, *, loaded: Any = None, rows: list[dict[str, Any]] | None = None) -> str:
@@ -45,53 +46,49 @@ class DiagnosticRun:
         if self.heartbeat.action == "lost":
             return "lost"
         try:
-            await asyncio.to_thread(self.client.finish_diagnostic, self.id, status, error=error)
+            await asyncio.to_thread(self.client.finish_diagnostic, self.id, self.lease_id, status, error=error)
         except Exception:  # noqa: BLE001 - the watchdog re-queues a diagnostic whose worker cannot report
             log.exception("could not report the end of diagnostic %s", self.id)
         return status
 
     async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
-
         from app.graders.service import grader_context
+        from workers.rl.data import job_tool_schemas, prompts_from_rows
         from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
+        from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.models import load_model
         from workers.rl.prompting import ChatFormatter
         from workers.rl.rollout import RolloutEngine
         from workers.rl.tools_client import ToolClient, ToolClientOptions
-        from workers.rl.data import job_tool_schemas, prompts_from_rows
-        from workers.rl.grading import load_grader
-        from workers.rl.hyperparameters import resolve_hyperparameters
 
-        spec, reinforcement = self.spec, self.spec["method"]["reinforcement"]
+        spec, reinforcement = self.spec, self.spec.method.reinforcement
         if rows is None:
-            rows = await asyncio.to_thread(self.client.file_rows, spec["training_file"])
-        tools = reinforcement.get("tools", [])
-        prompts = prompts_from_rows(rows, job_tool_schemas(tools), source="training")
-        chosen = select_samples(len(prompts), spec.get("max_samples"), spec["seed"])
+            rows = await asyncio.to_thread(self.client.file_rows, spec.training_file)
+        prompts = prompts_from_rows(rows, job_tool_schemas(reinforcement.tools), source="training")
+        chosen = select_samples(len(prompts), spec.max_samples, spec.seed)
         # The engine settings training would use: the diagnostic measures the same policy.
-        config, _ = resolve_hyperparameters(reinforcement, n_train=len(rows), n_valid=0, seed=spec["seed"])
+        config, _ = resolve_hyperparameters(reinforcement, n_train=len(rows), n_valid=0, seed=spec.seed)
         options = ToolClientOptions()
-        basis = load_basis(reinforcement, n_train=len(rows), seed=spec["seed"],
+        basis = load_basis(reinforcement, n_train=len(rows), seed=spec.seed,
                            tool_max_concurrency=options.max_concurrency)
-        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, [], samples_total=len(chosen),
-                                load_basis=basis)
+        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, self.lease_id, [],
+                                samples_total=len(chosen), load_basis=basis)
         if loaded is None:
-            loaded = await asyncio.to_thread(load_model, spec["model"],
-                                             dtype=(reinforcement.get("x_open_model") or {}).get("dtype"))
-        grader = load_grader(reinforcement["grader"])
-        async with ToolClient(tools, allowlist=self.settings.outbound_allowlist, options=options) as tool_client:
+            loaded = await asyncio.to_thread(load_model, spec.model, dtype=reinforcement.x_open_model.dtype)
+        async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist,
+                              options=options) as tool_client:
             engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,
                                    config.engine)
             outcome = await run_diagnostic(
-                engine=engine, grader=grader, grader_ctx=grader_context(self.settings), prompts=prompts,
-                sample_indexes=chosen, runs_per_sample=spec["runs_per_sample"], seed=spec["seed"], hooks=self,
-                done=frozenset(spec.get("done_samples") or ()))
+                engine=engine, grader=reinforcement.grader, grader_ctx=grader_context(self.settings),
+                prompts=prompts, sample_indexes=chosen, runs_per_sample=spec.runs_per_sample, seed=spec.seed,
+                hooks=self, done=frozenset(spec.done_samples))
         return outcome.status
 
     # -- hooks of workers/rl/diagnostic.run_diagnostic --------------------------------------------
 
     async def on_rollouts(self, records: list[dict[str, Any]]) -> None:
-        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, records)
+        await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, self.lease_id, records)
 
     async def control(self) -> str:
         action = await asyncio.to_thread(self.heartbeat.beat)
@@ -101,7 +98,7 @@ class DiagnosticRun:
 
 
 def claim_with_patience(client: ControlPlaneClient, diagnostic_id: str, worker_id: str, *,
-                        wait_s: float) -> Claim:
+                        wait_s: float) -> DiagnosticClaimResponse:
     """Claim a job's diagnostic; while the previous worker's lease is still live (it died moments
     ago), wait for it to expire rather than give up."""
     deadline = time.monotonic() + wait_s

@@ -6,29 +6,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import socket
-import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from app.diagnostics.worker_schemas import DiagnosticClaimResponse
+from app.jobs.worker_schemas import ClaimResponse
 from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_JOB_TASK, celery_app
-from workers.control_client import Claim, ControlPlaneClient, Heartbeat, LeaseHeld, NotClaimable
+from workers.control_client import ControlPlaneClient, Heartbeat, LeaseHeld, NotClaimable, worker_id
 from workers.diagnostics import DiagnosticRun, claim_with_patience
 
 log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 LEASE_RETRY_COUNTDOWN_S = 10
+Claimed = TypeVar("Claimed", ClaimResponse, DiagnosticClaimResponse)
 
 
-def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def _run_claimed(task: Any, kind: str, run_id: str, claim: Callable[[ControlPlaneClient], Claim],
-                 work: Callable[[ControlPlaneClient, Claim, Any], dict[str, Any]]) -> dict[str, Any]:
+def _run_claimed(task: Any, kind: str, run_id: str, claim: Callable[[ControlPlaneClient], Claimed],
+                 work: Callable[[ControlPlaneClient, Claimed, Any], dict[str, Any]]) -> dict[str, Any]:
     """What every leased task does: claim `run_id` under a lease, then `work`. A lease another
     worker still holds (e.g. saving state after a pause) retries the task later; a run that can no
     longer be claimed (it ended meanwhile) is skipped."""
@@ -59,7 +55,7 @@ def run_job(self, job_id: str) -> dict[str, Any]:  # noqa: ANN001
 def run_diagnostic(self, diagnostic_id: str) -> dict[str, Any]:  # noqa: ANN001
     """A variance diagnostic (docs/diagnostics.md): every sample run several times, graded, pushed."""
 
-    def work(client: ControlPlaneClient, claim: Claim, settings: Any) -> dict[str, Any]:
+    def work(client: ControlPlaneClient, claim: DiagnosticClaimResponse, settings: Any) -> dict[str, Any]:
         return {"diagnostic_id": diagnostic_id, "status": asyncio.run(DiagnosticRun(client, claim, settings).run())}
 
     return _run_claimed(self, "diagnostic", diagnostic_id,
@@ -69,11 +65,11 @@ def run_diagnostic(self, diagnostic_id: str) -> dict[str, Any]:  # noqa: ANN001
 class JobRun:
     """One claimed job on this worker: heartbeat, data, model, trainer, final report."""
 
-    def __init__(self, client: ControlPlaneClient, claim: Claim, settings: Any) -> None:
-        self.client, self.claim, self.settings = client, claim, settings
-        self.job = claim.job
-        self.job_id = self.job["id"]
-        self.heartbeat = Heartbeat(client, self.job_id, interval_s=max(1.0, settings.lease_seconds / 4))
+    def __init__(self, client: ControlPlaneClient, claim: ClaimResponse, settings: Any) -> None:
+        self.client, self.settings = client, settings
+        self.job, self.lease_id = claim.job, claim.lease_id
+        self.job_id = self.job.id
+        self.heartbeat = Heartbeat(client, self.job_id, self.lease_id, interval_s=max(1.0, settings.lease_seconds / 4))
         self.work_dir = Path(settings.resolved_checkpoint_dir) / self.job_id
 
     def run(self) -> dict[str, Any]:
@@ -93,7 +89,7 @@ class JobRun:
 
     def _finish(self, status: str, **kwargs: Any) -> None:
         try:
-            self.client.finish(self.job_id, status, **kwargs)
+            self.client.finish(self.job_id, self.lease_id, status, **kwargs)
         except Exception:  # noqa: BLE001 - the watchdog re-queues a job whose worker cannot report
             log.exception("could not report the end of job %s", self.job_id)
 
@@ -101,39 +97,36 @@ class JobRun:
         return self.client.file_rows(file_id) if file_id else []
 
     async def _train(self) -> Any:
-
         from app.graders.service import grader_context
+        from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.models import load_model
         from workers.rl.tools_client import ToolClient
-        from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.trainer import Trainer, TrainingOutcome
 
-        reinforcement = self.job["method"]["reinforcement"]
-        train_rows, valid_rows = self._rows(self.job["training_file"]), self._rows(self.job.get("validation_file"))
+        job, reinforcement = self.job, self.job.method.reinforcement
+        train_rows, valid_rows = self._rows(job.training_file), self._rows(job.validation_file)
         hooks = ControlHooks(self, None)
         loaded = None
-        x_open_model = reinforcement.get("x_open_model") or {}
-        dtype = x_open_model.get("dtype")
-        if x_open_model.get("diagnostic"):
-            loaded = load_model(self.job["model"], dtype=dtype)  # loaded once: the diagnostic, then training
+        dtype = reinforcement.x_open_model.dtype
+        if reinforcement.x_open_model.diagnostic:
+            loaded = load_model(job.model, dtype=dtype)  # loaded once: the diagnostic, then training
             diagnosed = await JobDiagnostic(self, hooks).run(loaded, train_rows)
             if isinstance(diagnosed, TrainingOutcome):
                 return diagnosed
             train_rows = diagnosed
         config, resolved = resolve_hyperparameters(reinforcement, n_train=len(train_rows), n_valid=len(valid_rows),
-                                                   seed=self.job["seed"])
+                                                   seed=job.seed)
         config.engine.kv_cache_mb = self.settings.kv_cache_mb  # the worker's memory, not the job's choice
         hooks.resolved = resolved
-        await hooks.on_event("info", f"Training {self.job['model']} on {len(train_rows)} rows; "
+        await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
-        loaded = loaded or load_model(self.job["model"], dtype=dtype)
-        resume = self.job.get("resume_state")
-        async with ToolClient(reinforcement.get("tools", []), allowlist=self.settings.outbound_allowlist) as tools:
+        loaded = loaded or load_model(job.model, dtype=dtype)
+        async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist) as tools:
             trainer = Trainer(
                 loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
-                grader=reinforcement["grader"],  # validated by the trainer's setup
-                grader_ctx=grader_context(self.settings), tool_client=tools, job_tools=reinforcement.get("tools", []),
-                work_dir=self.work_dir, hooks=hooks, resume_state=Path(resume) if resume else None,
+                grader=reinforcement.grader, grader_ctx=grader_context(self.settings), tool_client=tools,
+                job_tools=reinforcement.tools, work_dir=self.work_dir, hooks=hooks,
+                resume_state=Path(job.resume_state) if job.resume_state else None,
             )
             return await trainer.run()
 
@@ -144,40 +137,37 @@ class JobDiagnostic:
 
     def __init__(self, run: JobRun, hooks: ControlHooks) -> None:
         self.run_, self.hooks = run, hooks
-        self.options = run.job["method"]["reinforcement"]["x_open_model"]["diagnostic"]
+        self.options = run.job.method.reinforcement.x_open_model.diagnostic
 
     async def run(self, loaded: Any, rows: list[dict[str, Any]]) -> Any:
         """The rows to train on, or the TrainingOutcome that ends the job here."""
         run = self.run_
-        found = await asyncio.to_thread(run.client.job_diagnostic, run.job_id)
-        if found["status"] != "succeeded":
-            status = await self._run_it(found["id"], loaded, rows)
+        found = await asyncio.to_thread(run.client.job_diagnostic, run.job_id, run.lease_id)
+        if found.status != "succeeded":
+            status = await self._run_it(found.id, loaded, rows)
             if status != "succeeded":
-                return await self._stopped(found["id"], status)
-        diagnostic = await asyncio.to_thread(run.client.diagnostic, found["id"])
-        verdict = diagnostic.get("verdict") or {}
+                return await self._stopped(found.id, status)
+        diagnostic = await asyncio.to_thread(run.client.diagnostic, found.id)
+        verdict = diagnostic.verdict or {}
         await self.hooks.on_event("warn" if verdict.get("level") in ("warning", "error") else "info",
-                                  f"Variance diagnostic {found['id']}: {verdict.get('message', 'no verdict')}",
-                                  {"diagnostic_id": found["id"], "summary": diagnostic.get("summary"),
-                                   "verdict": verdict})
-        if not self.options.get("drop_zero_signal"):
+                                  f"Variance diagnostic {found.id}: {verdict.get('message', 'no verdict')}",
+                                  {"diagnostic_id": found.id, "summary": diagnostic.summary, "verdict": verdict})
+        if not self.options.drop_zero_signal:
             return rows
-        return await self._drop_zero_signal(found["id"], diagnostic, rows)
+        return await self._drop_zero_signal(found.id, diagnostic, rows)
 
     async def _run_it(self, diagnostic_id: str, loaded: Any, rows: list[dict[str, Any]]) -> str:
         run = self.run_
-        client = ControlPlaneClient(run.settings.api_url, run.settings.worker_token.get_secret_value())
-        try:
-            claim = await asyncio.to_thread(claim_with_patience, client, diagnostic_id, worker_id(),
+        try:  # the job's client serves its diagnostic too: each call names the lease it holds
+            claim = await asyncio.to_thread(claim_with_patience, run.client, diagnostic_id, worker_id(),
                                             wait_s=2.0 * run.settings.lease_seconds)
             await self.hooks.on_event("info", f"Variance diagnostic {diagnostic_id} started: "
-                                              f"{self.options['runs_per_sample']} runs per sample before training.",
+                                              f"{self.options.runs_per_sample} runs per sample before training.",
                                       {"diagnostic_id": diagnostic_id})
-            return await DiagnosticRun(client, claim, run.settings, outer=run.heartbeat).run(loaded=loaded, rows=rows)
+            return await DiagnosticRun(run.client, claim, run.settings, outer=run.heartbeat).run(loaded=loaded,
+                                                                                               rows=rows)
         except NotClaimable:  # it ended meanwhile (e.g. it succeeded just before this worker took the job over)
-            return (await asyncio.to_thread(run.client.diagnostic, diagnostic_id))["status"]
-        finally:
-            client.close()
+            return (await asyncio.to_thread(run.client.diagnostic, diagnostic_id)).status
 
     async def _stopped(self, diagnostic_id: str, status: str) -> Any:
         """The job's outcome when its diagnostic did not succeed: the user's pause or cancel, or a failure."""
@@ -191,12 +181,12 @@ class JobDiagnostic:
                             f"see GET /v1/fine_tuning/alpha/diagnostics/{diagnostic_id}."}
         return TrainingOutcome("failed", 0, 0, 0, error, None)
 
-    async def _drop_zero_signal(self, diagnostic_id: str, diagnostic: dict[str, Any],
+    async def _drop_zero_signal(self, diagnostic_id: str, diagnostic: Any,
                                 rows: list[dict[str, Any]]) -> Any:
         from app.diagnostics.summary import zero_signal_samples
         from workers.rl.trainer import TrainingOutcome
 
-        zero = set(zero_signal_samples(diagnostic.get("samples") or []))
+        zero = set(zero_signal_samples(diagnostic.samples or []))
         kept = [row for index, row in enumerate(rows) if index not in zero]
         data = {"diagnostic_id": diagnostic_id, "dropped": len(zero), "kept": len(kept), "rows": len(rows)}
         if not kept:
@@ -213,12 +203,12 @@ class ControlHooks:
     """The trainer's reporting channel: every call becomes an idempotent push."""
 
     def __init__(self, run: JobRun, resolved: dict[str, Any] | None) -> None:
-        self.run, self.client, self.job_id = run, run.client, run.job_id
+        self.run, self.client, self.job_id, self.lease_id = run, run.client, run.job_id, run.lease_id
         self.resolved = resolved
         self._events = 0
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, self.job_id, *args, **kwargs)
+        return await asyncio.to_thread(fn, self.job_id, self.lease_id, *args, **kwargs)
 
     async def on_step(self, step: int, metrics: dict[str, Any], train_records: list[dict[str, Any]]) -> None:
         await self._call(self.client.push_rollouts, step, "train", train_records)
@@ -241,7 +231,7 @@ class ControlHooks:
     async def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         # The key makes a retried push a no-op; the claim's lease makes keys of two runs distinct.
         self._events += 1
-        key = f"{self.run.claim.lease_id}:{self._events}"
+        key = f"{self.lease_id}:{self._events}"
         await self._call(self.client.push_event, key, level, message, data)
 
 

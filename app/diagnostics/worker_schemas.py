@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.deps import INT32_MAX
 from app.core.worker_schemas import FinishError, Leased
+from app.jobs.worker_schemas import ClaimedMethod
 
 
 class ClaimedDiagnostic(BaseModel):
@@ -18,7 +19,7 @@ class ClaimedDiagnostic(BaseModel):
     job_id: str | None
     model: str
     training_file: str
-    method: dict[str, Any] = Field(description="The stored method, tool headers included (unmasked).")
+    method: ClaimedMethod = Field(description="The stored method, tool headers included (unmasked).")
     runs_per_sample: int
     max_samples: int | None
     seed: int

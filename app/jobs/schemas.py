@@ -100,15 +100,21 @@ class OpenModelOptions(BaseModel):
         None, description="Run the variance diagnostic before training (docs/diagnostics.md).")
 
 
-class ReinforcementMethod(BaseModel):
+class TrainingOptions(BaseModel):
+    """The part of `method.reinforcement` that says how to train (hyperparameters, the tool-call
+    budget, the open-model options): what the worker resolves into its training configuration."""
+
     model_config = ConfigDict(extra="forbid")
 
-    grader: Grader
     hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
-    response_format: dict[str, Any] | None = None
-    tools: list[ToolEndpoint] = Field(default_factory=list, max_length=64)
     max_episode_steps: int = Field(10, ge=1, le=1000, description="Tool-call budget per rollout.")
     x_open_model: OpenModelOptions = Field(default_factory=OpenModelOptions)
+
+
+class ReinforcementMethod(TrainingOptions):
+    grader: Grader
+    response_format: dict[str, Any] | None = None
+    tools: list[ToolEndpoint] = Field(default_factory=list, max_length=64)
 
 
 class Method(BaseModel):

@@ -7,7 +7,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.worker_schemas import FinishError, Leased
-from app.jobs.schemas import Split
+from app.jobs.schemas import Method, ReinforcementMethod, Split
+
+
+class ClaimedMethod(Method):
+    """A claimed run's method: always reinforcement (the only type a job is created with)."""
+
+    reinforcement: ReinforcementMethod
 
 
 class ClaimedJob(BaseModel):
@@ -17,7 +23,7 @@ class ClaimedJob(BaseModel):
     model: str
     training_file: str
     validation_file: str | None
-    method: dict[str, Any] = Field(description="The stored method, tool headers included (unmasked).")
+    method: ClaimedMethod = Field(description="The stored method, tool headers included (unmasked).")
     seed: int
     suffix: str | None
     resume_state: str | None

@@ -12,16 +12,17 @@ from pydantic import TypeAdapter
 from app.diagnostics.summary import build_result
 from app.graders.core import GraderContext
 from app.graders.schemas import Grader
+from app.jobs.schemas import TrainingOptions
 from tests.diagnostics.scripted_grader import scripted_grader
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
+from workers.rl.data import job_tool_schemas, prompts_from_rows, rollout_seed
 from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
 from workers.rl.models import load_model
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine
 from workers.rl.toolcalls import HermesParser
 from workers.rl.tools_client import ToolClient
-from workers.rl.data import job_tool_schemas, prompts_from_rows, rollout_seed
 
 TOOLS = [{"name": name, "description": name, "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
          for name in ("search", "cat")]
@@ -112,7 +113,8 @@ def test_sample_choice_seeds_and_load_basis():
     assert len(picked) == 10 and picked == sorted(picked) and picked == select_samples(100, 10, 7)
     assert picked != select_samples(100, 10, 8)
     assert rollout_seed(9, "diagnostic", 2, 0) != rollout_seed(9, "diagnostic", 2, 1)
-    basis = load_basis({"hyperparameters": {"compute_multiplier": 3, "batch_size": "auto"}}, n_train=5, seed=0,
+    basis = load_basis(TrainingOptions.model_validate({"hyperparameters": {"compute_multiplier": 3, "batch_size": "auto"}}),
+                       n_train=5, seed=0,
                        tool_max_concurrency=16)
     assert [(s["compute_multiplier"], s["batch_size"], s["group_size"], s["configured"]) for s in basis["settings"]] == [
         (0.5, 5, 2, False), (1.0, 5, 4, False), (2.0, 5, 8, False), (3.0, 5, 12, True), (4.0, 5, 16, False),

@@ -33,6 +33,7 @@ from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
 from workers.rl.toolcalls import ToolSchema
 from workers.rl.tools_client import ToolClient, ToolClientOptions
+from app.jobs.schemas import TrainingOptions
 from workers.rl.hyperparameters import TrainingConfig, resolve_hyperparameters
 from workers.rl.trainer import Trainer
 from workers.rl.update import LossSettings, TrainSequence, collate, micro_batch_loss, token_logprobs
@@ -231,8 +232,8 @@ def test_loss_gradient_reaches_only_positions_that_predict_sampled_tokens(tools_
 
 
 def test_auto_hyperparameters_follow_the_documented_rules():
-    cfg, resolved = resolve_hyperparameters({"hyperparameters": {}, "max_episode_steps": 6}, n_train=100, n_valid=0,
-                                            seed=3)
+    options = TrainingOptions.model_validate({"hyperparameters": {}, "max_episode_steps": 6})
+    cfg, resolved = resolve_hyperparameters(options, n_train=100, n_valid=0, seed=3)
     assert (cfg.batch_size, cfg.n_epochs, cfg.group_size) == (8, 4, 4)  # n_epochs: ceil(50 × 8 / 100)
     assert cfg.learning_rate == pytest.approx(1e-5) and cfg.training_mode == "lora" and cfg.loss == "grpo"
     assert cfg.eval_interval == 5 and cfg.eval_samples == 16  # 50 steps / 10 evals; min(100, 16)
@@ -241,13 +242,13 @@ def test_auto_hyperparameters_follow_the_documented_rules():
                         "eval_interval": 5, "eval_samples": 16, "reasoning_effort": "default"}
     ReinforcementHyperparameters.model_validate(resolved)  # recordable on the job as it is
 
-    small, resolved_small = resolve_hyperparameters({}, n_train=3, n_valid=5, seed=0)
+    small, resolved_small = resolve_hyperparameters(TrainingOptions.model_validate({}), n_train=3, n_valid=5, seed=0)
     assert (small.batch_size, small.n_epochs, small.eval_samples) == (3, 10, 5)  # epochs capped at 10
     assert resolved_small["eval_interval"] == 1  # 10 steps
 
     for compute, group in ((0.1, 2), (1.0, 4), (2.5, 10), (10, 40)):
         reinforcement = {"hyperparameters": {"compute_multiplier": compute}}
-        cfg, _ = resolve_hyperparameters(reinforcement, n_train=10, n_valid=0, seed=0)
+        cfg, _ = resolve_hyperparameters(TrainingOptions.model_validate(reinforcement), n_train=10, n_valid=0, seed=0)
         assert cfg.group_size == group
 
 
@@ -260,7 +261,7 @@ def test_explicit_hyperparameters_and_open_model_options_are_used():
                          "max_tokens_per_turn": 64, "max_tokens_per_rollout": 128, "temperature": 0.7, "top_p": 0.9,
                          "lora_rank": 4, "lora_alpha": 8},
     }
-    cfg, resolved = resolve_hyperparameters(reinforcement, n_train=40, n_valid=10, seed=1)
+    cfg, resolved = resolve_hyperparameters(TrainingOptions.model_validate(reinforcement), n_train=40, n_valid=10, seed=1)
     assert (cfg.batch_size, cfg.n_epochs, cfg.group_size, cfg.eval_interval, cfg.eval_samples) == (3, 2, 8, 7, 5)
     assert cfg.learning_rate == pytest.approx(4e-6)  # 4 × the full-training base rate
     assert (cfg.training_mode, cfg.loss, cfg.kl_coef, cfg.clip_epsilon, cfg.lora_rank, cfg.lora_alpha) == (
@@ -269,11 +270,13 @@ def test_explicit_hyperparameters_and_open_model_options_are_used():
                                       temperature=0.7, top_p=0.9)
     assert resolved["learning_rate_multiplier"] == 4.0 and resolved["compute_multiplier"] == 2.0
     absolute = {**reinforcement, "x_open_model": {"learning_rate": 1e-3}}
-    assert resolve_hyperparameters(absolute, n_train=40, n_valid=10, seed=1)[0].learning_rate == 1e-3  # overrides
+    absolute_options = TrainingOptions.model_validate(absolute)
+    assert resolve_hyperparameters(absolute_options, n_train=40, n_valid=10, seed=1)[0].learning_rate == 1e-3  # overrides
     with pytest.raises(ValueError, match="batch_size"):
-        resolve_hyperparameters({"hyperparameters": {"batch_size": 0}}, n_train=4, n_valid=0, seed=0)
+        resolve_hyperparameters(TrainingOptions.model_validate({"hyperparameters": {"batch_size": 0}}), n_train=4,
+                                n_valid=0, seed=0)
     with pytest.raises(ValueError, match="no rows"):
-        resolve_hyperparameters({}, n_train=0, n_valid=0, seed=0)
+        resolve_hyperparameters(TrainingOptions.model_validate({}), n_train=0, n_valid=0, seed=0)
 
 
 # --- a run ------------------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.rl.rollout import RolloutEngine
+
+if TYPE_CHECKING:
+    from app.jobs.schemas import TrainingOptions
 from workers.rl.data import Prompt, rollout_seed, spec_for
 from workers.rl.grading import grade_rollouts
 from workers.rl.hyperparameters import resolve_hyperparameters
@@ -31,17 +34,16 @@ def select_samples(n_rows: int, max_samples: int | None, seed: int) -> list[int]
     return sorted(random.Random(f"agent-rft/{seed}/diagnostic").sample(range(n_rows), max_samples))
 
 
-def load_basis(reinforcement: dict[str, Any], *, n_train: int, seed: int, tool_max_concurrency: int | None
+def load_basis(training: TrainingOptions, *, n_train: int, seed: int, tool_max_concurrency: int | None
                ) -> dict[str, Any]:
     """Batch and group size per compute_multiplier, exactly as the trainer resolves them for this
     job's method and training-file size: the control plane turns them into the tool-load projection."""
-    hyper = dict(reinforcement.get("hyperparameters") or {})
-    configured = hyper.get("compute_multiplier", "auto")
-    configured = 1.0 if configured == "auto" else float(configured)
+    hyper = training.hyperparameters
+    configured = 1.0 if hyper.compute_multiplier == "auto" else float(hyper.compute_multiplier)
     settings = []
     for multiplier in sorted(set(PROJECTED_COMPUTE_MULTIPLIERS) | {configured}):
-        method = {**reinforcement, "hyperparameters": {**hyper, "compute_multiplier": multiplier}}
-        config, _ = resolve_hyperparameters(method, n_train=n_train, n_valid=0, seed=seed)
+        at = training.model_copy(update={"hyperparameters": hyper.model_copy(update={"compute_multiplier": multiplier})})
+        config, _ = resolve_hyperparameters(at, n_train=n_train, n_valid=0, seed=seed)
         settings.append({"compute_multiplier": multiplier, "batch_size": config.batch_size,
                          "group_size": config.group_size, "configured": multiplier == configured})
     return {"n_train": n_train, "tool_max_concurrency": tool_max_concurrency, "settings": settings}

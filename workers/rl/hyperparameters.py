@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workers.rl.advantages import LOSS_VARIANTS
 from workers.rl.rollout import EngineConfig
+
+if TYPE_CHECKING:
+    from app.jobs.schemas import TrainingOptions
 
 # group_size = clamp(round(GROUP_SIZE_PER_COMPUTE × compute_multiplier), MIN_GROUP_SIZE, MAX_GROUP_SIZE)
 GROUP_SIZE_PER_COMPUTE = 4
@@ -66,17 +70,15 @@ class TrainingConfig:
 
 
 def resolve_hyperparameters(
-    reinforcement: dict, *, n_train: int, n_valid: int, seed: int
+    training: TrainingOptions, *, n_train: int, n_valid: int, seed: int
 ) -> tuple[TrainingConfig, dict]:
-    """`reinforcement` is the job's stored method.reinforcement dict (hyperparameters with "auto"
-    values, max_episode_steps, x_open_model). Returns the config and the resolved values to record
-    on the job: the hyperparameters with every "auto" replaced (same keys, so they still validate)."""
-    from app.jobs.schemas import OpenModelOptions, ReinforcementHyperparameters
-
+    """`training` is the job's method.reinforcement (or just its training options: hyperparameters
+    with "auto" values, max_episode_steps, x_open_model). Returns the config and the resolved values
+    to record on the job: the hyperparameters with every "auto" replaced (same keys, so they still
+    validate)."""
     if n_train < 1:
         raise ValueError("the training file has no rows")
-    hyper = ReinforcementHyperparameters.model_validate(reinforcement.get("hyperparameters") or {})
-    options = OpenModelOptions.model_validate(reinforcement.get("x_open_model") or {})
+    hyper, options = training.hyperparameters, training.x_open_model
     compute = 1.0 if hyper.compute_multiplier == "auto" else float(hyper.compute_multiplier)
     lr_multiplier = 1.0 if hyper.learning_rate_multiplier == "auto" else float(hyper.learning_rate_multiplier)
     batch_size = min(n_train, AUTO_BATCH_SIZE) if hyper.batch_size == "auto" else hyper.batch_size
@@ -87,7 +89,7 @@ def resolve_hyperparameters(
     eval_samples = (min(n_valid or n_train, AUTO_MAX_EVAL_SAMPLES) if hyper.eval_samples == "auto"
                     else hyper.eval_samples)
     engine = EngineConfig(
-        max_episode_steps=int(reinforcement.get("max_episode_steps") or 10),
+        max_episode_steps=training.max_episode_steps,
         max_tokens_per_turn=options.max_tokens_per_turn, max_tokens_per_rollout=options.max_tokens_per_rollout,
         temperature=options.temperature, top_p=options.top_p,
     )
