@@ -9,7 +9,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.core.config import Settings
+from app.core.errors import bad_request
 from app.core.schema_tags import register_union_tags
+from app.core.urls import BlockedURL, guard_url
 from app.graders.core import GraderContext, Sample, grade
 from app.graders.schemas import Grader
 
@@ -61,8 +63,29 @@ def grader_context(settings: Settings) -> GraderContext:
     )
 
 
+def _graders_with_urls(grader: Any, path: str) -> list[tuple[str, Any]]:
+    """Every grader in the tree (multi graders nest) that calls a user URL, with its param path."""
+    found = [(path, grader)] if getattr(grader, "url", None) else []
+    for name, sub in (getattr(grader, "graders", None) or {}).items():
+        found += _graders_with_urls(sub, f"{path}.graders.{name}")
+    return found
+
+
+def check_grader_urls(grader: Any, allowlist: list[str], *, param: str) -> None:
+    """400 `url_not_allowed`, naming the grader and why, for a grader URL the SSRF guard refuses
+    (a name that does not resolve yet passes here; every request is checked again, strictly)."""
+    for path, config in _graders_with_urls(grader, param):
+        try:
+            guard_url(config.url, allowlist, strict_resolution=False)
+        except BlockedURL as exc:
+            raise bad_request(f"Grader '{config.name}' url is not allowed: {exc}.", param=f"{path}.url",
+                              code="url_not_allowed") from exc
+
+
 async def run_grader(body: GraderRunRequest, ctx: GraderContext) -> dict[str, Any]:
-    """Grade one sample; a grading failure is a flagged result (200), not an error response."""
+    """Grade one sample; a grading failure is a flagged result (200), not an error response.
+    A URL the SSRF guard refuses is the caller's mistake, answered 400 as at job creation."""
+    check_grader_urls(body.grader, list(ctx.outbound_allowlist), param="grader")
     model_sample = body.model_sample if isinstance(body.model_sample, str) else body.model_sample.model_dump()
     result = await grade(body.grader, Sample.from_model_sample(model_sample), body.item or {}, ctx)
     return result.to_run_response()

@@ -546,6 +546,24 @@ def test_graders_api_refuses_bad_graders_and_missing_keys(sdk):
             stranger.fine_tuning.alpha.graders.run(grader=score_grader(), model_sample="x")
 
 
+def test_graders_run_refuses_a_url_the_ssrf_guard_refuses_and_says_why(settings, project, server):  # noqa: ANN001
+    """As job creation does (400 url_not_allowed naming the grader's url), not a 200 with reward 0
+    and an other_error flag that does not say why."""
+    scripted, base_url = server
+    scripted.reset((200, {"score": 1.0}))
+    app = create_app(settings.model_copy(update={"outbound_allowlist": []}))
+    nested = {"type": "multi", "name": "both", "calculate_output": "inner", "graders": {
+        "inner": endpoint_grader(base_url)}}
+    with serve(app) as api_url, openai.OpenAI(base_url=f"{api_url}/v1", api_key=project["key"],
+                                              max_retries=0) as client:
+        for grader, param in ((endpoint_grader(base_url), "grader.url"), (nested, "grader.graders.inner.url")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.fine_tuning.alpha.graders.run(grader=grader, model_sample="x", item={})  # type: ignore[arg-type]
+            assert refused.value.code == "url_not_allowed" and refused.value.param == param
+            assert "non-public address" in refused.value.message and "AGENT_RFT_OUTBOUND_ALLOWLIST" in refused.value.message
+    assert scripted.requests == []  # nothing was sent to the refused address
+
+
 # --- a real local judge -----------------------------------------------------------------------
 
 
