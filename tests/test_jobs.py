@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from app.core.crypto import secret_box
 from app.core.db import make_engine, make_session_factory
 from app.jobs import service
 from app.jobs.models import Job
@@ -30,7 +31,7 @@ def test_create_returns_an_openai_job_and_queues_it(api):
     assert rl["x_open_model"] == {"training_mode": "lora", "lora_rank": 16, "lora_alpha": 32, "loss": "grpo",
                                   "kl_coef": 0.0, "clip_epsilon": 0.2, "learning_rate": None, "max_tokens_per_turn": 256,
                                   "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0,
-                                  "dtype": "auto", "diagnostic": None}
+                                  "dtype": "auto", "diagnostic": None, "rollout_timeout": None}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
 
 
@@ -42,10 +43,33 @@ def test_tool_headers_are_stored_but_never_returned(api, settings):
         assert secret not in str(shown) and "tool-secret" not in str(shown)
     assert job["method"]["reinforcement"]["tools"][0]["headers"] == {"Authorization": "****3456"}
     engine = make_engine(settings.resolved_database_url)
-    with make_session_factory(engine)() as session:  # the worker will need the real value
-        stored = session.query(Job).one().method["reinforcement"]["tools"][0]["headers"]
+    with make_session_factory(engine)() as session:  # the worker will need the real value: sealed, not hashed
+        stored = session.query(Job).one().method["reinforcement"]["tools"][0]["headers"]["Authorization"]
     engine.dispose()
-    assert stored == {"Authorization": secret}
+    assert stored["mask"] == "****3456" and "tool-secret" not in stored["sealed"]
+    assert secret_box(settings).open(stored["sealed"]) == secret  # tests/test_secrets_at_rest.py: the rest
+
+
+def test_tool_timeouts_retries_and_the_rollout_deadline_are_bounded(api):
+    """Per-tool `timeout` (at most OpenAI's 10 minutes) and `retries`, and x_open_model.rollout_timeout."""
+    file_id = api.upload_ok(question_rows())
+    body = job_body(file_id)
+    rl = body["method"]["reinforcement"]
+    rl["tools"][0].update(timeout=600, retries=0)
+    rl["x_open_model"] = {"rollout_timeout": 90}
+    job = create(api, body).json()
+    assert job["method"]["reinforcement"]["tools"][0]["timeout"] == 600
+    assert job["method"]["reinforcement"]["tools"][0]["retries"] == 0
+    assert job["method"]["reinforcement"]["x_open_model"]["rollout_timeout"] == 90
+    for tool_fields, extension, param in (({"timeout": 600.5}, {}, "method.reinforcement.tools[0].timeout"),
+                                          ({"timeout": 0}, {}, "method.reinforcement.tools[0].timeout"),
+                                          ({"retries": 11}, {}, "method.reinforcement.tools[0].retries"),
+                                          ({}, {"rollout_timeout": 0}, "method.reinforcement.x_open_model.rollout_timeout")):
+        bad = job_body(file_id)
+        bad["method"]["reinforcement"]["tools"][0].update(tool_fields)
+        bad["method"]["reinforcement"]["x_open_model"] = extension
+        error = create(api, bad).json()["error"]
+        assert error["param"] == param, error
 
 
 def test_explicit_hyperparameters_and_extension(api):

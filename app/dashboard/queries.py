@@ -25,7 +25,7 @@ EVENTS_SHOWN = 100
 TRAIN_REWARD, VALID_REWARD = "scores.train_reward_mean", "scores.valid_reward_mean"
 # The rollout engine's finish reasons (workers/rl/rollout.py FINISH_REASONS; the API imports no
 # worker code, tests/dashboard checks the two lists agree).
-FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error")
+FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
 
 
 def _aware(ts: datetime | None) -> datetime | None:

@@ -15,6 +15,7 @@ from app.graders.schemas import Grader
 Split = Literal["train", "valid"]
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOL_TIMEOUT_S = 600.0  # OpenAI's documented ceiling for one tool call
 
 
 def auto_or(kind: type, low: float, high: float, *, low_open: bool = False) -> Any:
@@ -61,6 +62,14 @@ class ToolEndpoint(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    timeout: float | None = Field(
+        None, gt=0, le=MAX_TOOL_TIMEOUT_S,
+        description="Extension: seconds one attempt of a call may take in all (connect, wait, read), at most 600 "
+                    "(OpenAI's ceiling for a tool call, 10 minutes). Default 120; silence while waiting for the "
+                    "reply is also cut at 60 s unless this is set.")
+    retries: int | None = Field(
+        None, ge=0, le=10, description="Extension: retries of a transient failure (408, 429, 5xx, a timeout, a "
+                                       "connection error) after the first attempt. Default 3.")
 
     @field_validator("name")
     @classmethod
@@ -92,6 +101,11 @@ class OpenModelOptions(BaseModel):
     max_tokens_per_rollout: int = Field(2048, ge=1, le=262144)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    rollout_timeout: float | None = Field(
+        None, gt=0, le=3600, description="Seconds one rollout may take in all, tool calls included. A tool call "
+                                         "still running then is cancelled and the rollout ends as a tool failure "
+                                         "(excluded from the update); past it between turns, the rollout ends "
+                                         "as `deadline` and is graded as it stands. Default: no limit.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Weights' precision for sampling and training: auto is bfloat16 on a GPU, float32 on a "
                             "CPU. bfloat16 on a CPU with native support (AVX512-BF16, AMX) is about 1.5x faster; "

@@ -258,3 +258,19 @@ def test_kept_caches_spare_prefill_tokens_within_their_memory_bound(tokenizer):
     assert kept == sum(r.prompt_tokens for r in rollouts) + new_tokens
     assert kept < tight < none
 
+
+
+def test_a_rollout_deadline_cancels_a_slow_tool_call_and_stops_further_turns(tokenizer):
+    """x_open_model.rollout_timeout: a call still running at the deadline is cancelled (a tool
+    failure, recorded as such); a rollout past it after a turn stops there (`deadline`)."""
+    scripts = {"busy": [call("search", query="wait 10"), call("search", query="wait 10"), "Done."],
+               "slow": [call("search", query="wait 3000"), "never reached"]}
+    config = EngineConfig(rollout_timeout_s=1.0, batch_wait_s=10.0)  # busy's 2nd turn waits for slow's batch
+    with tool_server() as (url, recorder):
+        records, _ = run(tokenizer, scripts, [spec(0, "busy"), spec(1, "slow")], url, config=config)
+    busy, slow = records
+    assert slow.finish_reason == "tool_failure" and slow.tool_failure
+    assert slow.tool_calls[0].status == "failed" and "deadline of 1 s" in slow.tool_calls[0].error
+    assert 1.0 <= slow.wall_time_s < 2.5  # not the tool's 3 s
+    assert busy.finish_reason == "deadline" and len(busy.tool_calls) == 1  # its 2nd call was never sent
+    assert sum(1 for e in recorder.calls if e["body"]["trace_id"] == busy.trace_id) == 1

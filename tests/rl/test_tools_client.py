@@ -259,6 +259,28 @@ def test_a_server_trickling_its_reply_is_cut_off_by_the_attempt_timeout(server: 
     assert time.monotonic() - started < 1
 
 
+def test_a_tools_own_timeout_and_retries_replace_the_defaults(server: ToolServer) -> None:
+    """`timeout` and `retries` on method.reinforcement.tools[]: a trickling tool is cut at its own
+    timeout (the default would wait 120 s an attempt, 4 attempts), a slow-to-answer tool given a
+    longer timeout may stay silent past the default read timeout."""
+    async def trickle() -> AsyncIterator[bytes]:
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            yield b"."
+
+    server.script("trickler", StreamingResponse(trickle()), StreamingResponse(trickle()))
+    server.script("thinker", 200, delay_s=0.6)
+    options = ToolClientOptions(backoff_base_s=0.01, backoff_max_s=0.02, read_timeout_s=0.3)
+    tools = [{"name": "trickler", "server_url": f"http://127.0.0.1:{server.port}/trickler", "timeout": 0.3,
+              "retries": 1},
+             {"name": "thinker", "server_url": f"http://127.0.0.1:{server.port}/thinker", "timeout": 5}]
+    started = time.monotonic()
+    trickled = call_once(tools, "trickler", options=options)
+    assert (trickled.status, trickled.attempts) == ("failed", 2) and "attempt 0.3 s" in trickled.error
+    assert time.monotonic() - started < 2
+    assert call_once(tools, "thinker", options=options).status == "ok"  # 0.6 s of silence, under its 5 s
+
+
 def test_a_redirect_is_not_followed(server: ToolServer) -> None:
     server.script("moved", RedirectResponse(f"http://127.0.0.1:{server.port}/search", status_code=302))
     result = call_once([endpoint(server, "moved"), endpoint(server, "search")], "moved")

@@ -24,7 +24,7 @@ from workers.rl.prompting import (
 )
 from workers.rl.toolcalls import ToolSchema
 
-FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error")
+FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
 
 
 @dataclass
@@ -35,6 +35,8 @@ class EngineConfig:
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
     temperature: float = 1.0
     top_p: float = 1.0
+    # Seconds a rollout may take in all (x_open_model.rollout_timeout); None: no limit.
+    rollout_timeout_s: float | None = None
     max_batch_size: int = 32
     max_consecutive_parse_errors: int = 3  # then the rollout ends as parse_error
     # How long a batch waits for rollouts still busy with tool calls before it starts without them.
@@ -324,6 +326,8 @@ class _Episode:
         self.cfg = engine.config
         self.fmt = engine.formatter
         self.kv: KVPrefix | None = None  # this rollout's attention cache from its last turn, if kept
+        timeout = self.cfg.rollout_timeout_s
+        self.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
 
     def _append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
         self.record.token_ids += ids
@@ -339,6 +343,8 @@ class _Episode:
         record.prompt_tokens = len(record.token_ids)
         consecutive_parse_errors = 0
         while True:
+            if self._past_deadline():
+                return self._finish("deadline")
             output = await self._next_turn()
             if output is None:
                 return
@@ -358,12 +364,19 @@ class _Episode:
             consecutive_parse_errors = consecutive_parse_errors + 1 if parsed.issues and not parsed.calls else 0
             if consecutive_parse_errors >= self.cfg.max_consecutive_parse_errors:
                 return self._finish("parse_error")
+            if self._past_deadline():  # more tool calls would run past it: the rollout stops as it stands
+                record.final_answer = parsed.content
+                return self._finish("deadline")
             used = len(record.tool_calls)
             if parsed.calls and used >= self.cfg.max_episode_steps:
                 record.final_answer = parsed.content
                 return self._finish("tool_budget")
             calls = parsed.calls[: self.cfg.max_episode_steps - used]
-            results = await asyncio.gather(*(self._call_tool(call) for call in calls))
+            try:
+                async with asyncio.timeout_at(self.deadline):  # None: no limit
+                    results = await asyncio.gather(*(self._call_tool(call) for call in calls))
+            except TimeoutError:  # a tool still running at the deadline: its call is cancelled, a failure
+                return self._finish("tool_failure")
             if any(r.status == "failed" for r in results):
                 return self._finish("tool_failure")
             new_messages = [tool_result_message(call, result.output) for call, result in zip(calls, results)]
@@ -411,15 +424,31 @@ class _Episode:
             parts.append(budget_spent_message(self.spec.messages))
         return "\n".join(parts)
 
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and asyncio.get_running_loop().time() >= self.deadline
+
     async def _call_tool(self, call: Any) -> Any:
-        result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id, name=call.name,
-                                              arguments_json=call.arguments_json, item=self.spec.item)
-        self.record.tool_calls.append(ToolCallRecord(
-            call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=result.status,
-            status_code=result.status_code, latency_s=result.latency_s, bytes=result.bytes, error=result.error,
-            truncated=result.truncated, turn=self.record.turns,
-        ))
+        started = time.perf_counter()
+        try:
+            result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id,
+                                                  name=call.name, arguments_json=call.arguments_json,
+                                                  item=self.spec.item)
+        except asyncio.CancelledError:  # the rollout's deadline: the call is recorded as what it was
+            error = f"cancelled: the rollout's deadline of {self.cfg.rollout_timeout_s:g} s passed"
+            self._record_call(call, status="failed", status_code=None, latency_s=time.perf_counter() - started,
+                              size=0, error=error, truncated=False)
+            raise
+        self._record_call(call, status=result.status, status_code=result.status_code, latency_s=result.latency_s,
+                          size=result.bytes, error=result.error, truncated=result.truncated)
         return result
+
+    def _record_call(self, call: Any, *, status: str, status_code: int | None, latency_s: float, size: int,
+                     error: str | None, truncated: bool) -> None:
+        self.record.tool_calls.append(ToolCallRecord(
+            call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=status,
+            status_code=status_code, latency_s=latency_s, bytes=size, error=error, truncated=truncated,
+            turn=self.record.turns,
+        ))
 
     def _extend_with(self, before: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> bool:
         """Append the rendered tool results (and the next generation prompt): not trained on."""

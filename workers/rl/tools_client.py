@@ -43,14 +43,17 @@ ToolStatus = Literal["ok", "client_error", "failed", "blocked", "unknown_tool"]
 
 @dataclass(frozen=True)
 class ToolEndpoint:
-    """Where calls to one tool go. `max_concurrency` / `rate_limit` (requests per second)
-    override the client's defaults for this tool."""
+    """Where calls to one tool go. `max_concurrency` / `rate_limit` (requests per second),
+    `timeout_s` (one attempt in all, the job's `timeout`) and `retries` override the client's
+    defaults for this tool."""
 
     name: str
     server_url: str
     headers: Mapping[str, str] = field(default_factory=dict)
     max_concurrency: int | None = None
     rate_limit: float | None = None
+    timeout_s: float | None = None
+    retries: int | None = None
 
     @classmethod
     def from_spec(cls, spec: ToolEndpoint | Mapping[str, Any] | Any) -> ToolEndpoint:
@@ -63,7 +66,8 @@ class ToolEndpoint:
             raise ValueError(f"a tool needs a name and a server_url, got {spec!r}")
         return cls(
             name=get("name"), server_url=get("server_url"), headers=dict(get("headers") or {}),
-            max_concurrency=get("max_concurrency"), rate_limit=get("rate_limit"),
+            max_concurrency=get("max_concurrency"), rate_limit=get("rate_limit"), timeout_s=get("timeout"),
+            retries=get("retries"),
         )
 
 
@@ -123,6 +127,11 @@ class _Tool:
         rate = endpoint.rate_limit or options.rate_limit
         # One request every 1/rate seconds, no initial burst: no second ever holds more than `rate`.
         self.limiter = AsyncLimiter(1, 1 / rate) if rate else None
+        self.retries = options.retries if endpoint.retries is None else endpoint.retries
+        self.attempt_timeout_s = endpoint.timeout_s or options.attempt_timeout_s
+        # A tool given its own timeout may also stay silent that long (a slow search, a long job).
+        read_s = endpoint.timeout_s or options.read_timeout_s
+        self.timeout = httpx.Timeout(read_s, connect=options.connect_timeout_s, pool=options.connect_timeout_s)
 
 
 class ToolClient:
@@ -193,7 +202,7 @@ class ToolClient:
                         retry_state.attempt_number, retry_state.outcome.result().error)
 
         opts = self.options
-        policy = async_retrying(attempts=1 + max(0, opts.retries), base_s=opts.backoff_base_s,
+        policy = async_retrying(attempts=1 + max(0, tool.retries), base_s=opts.backoff_base_s,
                                 max_s=opts.backoff_max_s, retry=retry_if_result(_is_retryable), before_sleep=log_retry)
         attempt = await policy(self._send_once, tool, content)
         return attempt, policy.statistics["attempt_number"]
@@ -203,14 +212,13 @@ class ToolClient:
             if tool.limiter is not None:
                 await tool.limiter.acquire()
             try:
-                async with asyncio.timeout(self.options.attempt_timeout_s):
+                async with asyncio.timeout(tool.attempt_timeout_s):
                     return await self._post(tool, content)
             except BlockedURL as exc:
                 return _Attempt(status="blocked", output=f"error: tool URL refused: {exc}", error=str(exc))
             except (httpx.TimeoutException, TimeoutError) as exc:
-                opts = self.options
-                error = (f"timeout ({type(exc).__name__}; limits: connect {opts.connect_timeout_s:g} s, "
-                         f"read {opts.read_timeout_s:g} s, attempt {opts.attempt_timeout_s:g} s)")
+                error = (f"timeout ({type(exc).__name__}; limits: connect {tool.timeout.connect:g} s, "
+                         f"read {tool.timeout.read:g} s, attempt {tool.attempt_timeout_s:g} s)")
                 return _Attempt(status="failed", error=error, retryable=retryable_error(exc))
             except httpx.TransportError as exc:
                 return _Attempt(status="failed", error=f"{type(exc).__name__}: {exc}", retryable=retryable_error(exc))
@@ -220,7 +228,8 @@ class ToolClient:
 
     async def _post(self, tool: _Tool, content: bytes) -> _Attempt:
         cap = self.options.max_output_bytes
-        async with self._http.stream("POST", tool.endpoint.server_url, content=content, headers=tool.headers) as response:
+        async with self._http.stream("POST", tool.endpoint.server_url, content=content, headers=tool.headers,
+                                     timeout=tool.timeout) as response:
             raw, received = await _read_capped(response, cap)
         text = raw.decode(response.encoding or "utf-8", errors="replace")
         return self._attempt_from(response, text, size=max(received, _declared_length(response)), truncated=received > cap)
