@@ -17,9 +17,11 @@ cli = typer.Typer(help="agent-rft: reinforcement fine-tuning of open-weight agen
 db_cli = typer.Typer(help="Database schema (Alembic).", no_args_is_help=True)
 projects_cli = typer.Typer(help="Projects: every object belongs to one.", no_args_is_help=True)
 keys_cli = typer.Typer(help="API keys of a project.", no_args_is_help=True)
+secrets_cli = typer.Typer(help="The keys that encrypt stored secrets (docs/security.md).", no_args_is_help=True)
 cli.add_typer(db_cli, name="db")
 cli.add_typer(projects_cli, name="projects")
 cli.add_typer(keys_cli, name="keys")
+cli.add_typer(secrets_cli, name="secrets")
 
 
 def _fail(message: str) -> None:
@@ -56,7 +58,7 @@ def db_current() -> None:
     typer.echo(f"current: {current_revision(engine) or '(empty)'}\nhead:    {head_revision()}")
 
 
-def _session():  # noqa: ANN202
+def _session_factory():  # noqa: ANN202
     from app.core.db import make_engine, make_session_factory
     from app.core.migrations import SchemaNotReady, ensure_schema
 
@@ -65,7 +67,11 @@ def _session():  # noqa: ANN202
         ensure_schema(engine, auto_migrate=get_settings().auto_migrate)
     except SchemaNotReady as exc:
         _fail(str(exc))
-    return make_session_factory(engine).begin()
+    return make_session_factory(engine)
+
+
+def _session():  # noqa: ANN202
+    return _session_factory().begin()
 
 
 def _print_key(created, what: str) -> None:  # noqa: ANN001
@@ -88,16 +94,105 @@ def projects_create(name: str) -> None:
 
 
 @keys_cli.command("create")
-def keys_create(project: Annotated[str, typer.Option("--project", help="Project name.")]) -> None:
+def keys_create(
+    project: Annotated[str, typer.Option("--project", help="Project name.")],
+    expires_in_days: Annotated[float | None, typer.Option(
+        min=0.001, help="The key answers 401 after this many days (default: never expires).")] = None,
+) -> None:
     """Create another API key for a project and print it (once)."""
-    from app.auth.service import ProjectError, create_key
+    from datetime import timedelta
 
+    from app.auth.service import ProjectError, create_key
+    from app.core.db import utcnow
+
+    expires_at = utcnow() + timedelta(days=expires_in_days) if expires_in_days else None
     with _session() as session:
         try:
-            created = create_key(session=session, project_name=project)
+            created = create_key(session=session, project_name=project, expires_at=expires_at)
         except ProjectError as exc:
             _fail(str(exc))
     _print_key(created, "Created API key")
+    if expires_at:
+        typer.echo(f"It expires at {expires_at:%Y-%m-%d %H:%M} UTC.")
+
+
+def _when(moment: Any) -> str:
+    return f"{moment:%Y-%m-%d %H:%M}" if moment else "-"
+
+
+@keys_cli.command("list")
+def keys_list(project: Annotated[str, typer.Option("--project", help="Project name.")]) -> None:
+    """A project's keys: id, prefix, created, last used, expiry and state; never the secret."""
+    from app.auth.service import ProjectError, list_keys
+    from app.core.db import utcnow
+
+    with _session() as session:
+        try:
+            keys = list_keys(session=session, project_name=project)
+        except ProjectError as exc:
+            _fail(str(exc))
+    now = utcnow()
+    typer.echo(f"{'id':30} {'prefix':10} {'created (UTC)':17} {'last used':17} {'expires':17} state")
+    for key in keys:
+        typer.echo(f"{key.key_id:30} {key.display_prefix + '…':10} {_when(key.created_at):17} "
+                   f"{_when(key.last_used_at):17} {_when(key.expires_at):17} {key.state(now)}")
+
+
+@keys_cli.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key's id, as `keys list` shows it.")]) -> None:
+    """Revoke an API key: it answers 401 from the next request on."""
+    from app.auth.service import ProjectError, revoke_key
+
+    with _session() as session:
+        try:
+            key = revoke_key(session=session, key_id=key_id)
+        except ProjectError as exc:
+            _fail(str(exc))
+    typer.echo(f"Revoked {key.key_id} ({key.display_prefix}…) at {_when(key.revoked_at)} UTC.")
+
+
+def _secret_box():  # noqa: ANN202
+    from app.core.crypto import SecretKeysMissing, secret_box
+
+    try:
+        return secret_box(get_settings())
+    except SecretKeysMissing as exc:
+        _fail(str(exc))
+
+
+@secrets_cli.command("generate-key")
+def secrets_generate_key() -> None:
+    """Print a new key for AGENT_RFT_SECRET_KEYS (to rotate: put it first, then run `reencrypt`)."""
+    from app.core.crypto import generate_key
+
+    typer.echo(generate_key())
+
+
+def _rewrite_all(rewrite, verb: str) -> None:  # noqa: ANN001
+    from app.core.crypto import SecretUnreadable
+
+    box = _secret_box()
+    try:
+        done = rewrite(_session_factory(), box)
+    except SecretUnreadable as exc:
+        _fail(str(exc))
+    typer.echo(f"{verb} {done.tool_headers} tool header values and {done.webhook_secrets} webhook signing secrets.")
+
+
+@secrets_cli.command("reencrypt")
+def secrets_reencrypt() -> None:
+    """Encrypt every stored secret under the newest key (and any stored before encryption); idempotent."""
+    from app.secrets_at_rest import reencrypt
+
+    _rewrite_all(reencrypt, "Re-encrypted")
+
+
+@secrets_cli.command("decrypt")
+def secrets_decrypt() -> None:
+    """Store every secret in plain text again: only for `agent-rft db downgrade` below revision 0007."""
+    from app.secrets_at_rest import decrypt
+
+    _rewrite_all(decrypt, "Decrypted")
 
 
 @cli.command()
@@ -108,6 +203,7 @@ def serve(
     """Run the control plane (REST API, OpenAPI docs at /docs)."""
     import uvicorn
 
+    from app.core.crypto import SecretKeysMissing
     from app.core.db import make_engine
     from app.core.migrations import SchemaNotReady, ensure_schema
     from app.main import create_app
@@ -115,9 +211,10 @@ def serve(
     settings = get_settings()
     try:
         ensure_schema(make_engine(settings.resolved_database_url), auto_migrate=settings.auto_migrate)
-    except SchemaNotReady as exc:
+        app = create_app(settings)
+    except (SchemaNotReady, SecretKeysMissing) as exc:
         _fail(str(exc))
-    uvicorn.run(create_app(settings), host=host or settings.host, port=port or settings.port)
+    uvicorn.run(app, host=host or settings.host, port=port or settings.port)
 
 
 @cli.command()

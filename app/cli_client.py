@@ -543,11 +543,12 @@ def format_diagnostic(diagnostic: dict[str, Any]) -> str:
 def _format_load(projection: list[dict[str, Any]]) -> list[str]:
     rows = [(f"{p['compute_multiplier']:g}" + ("*" if p.get("configured") else ""), str(p["batch_size"]),
              str(p["group_size"]), str(p["rollouts_per_step"]), name, f"{tool['calls_per_step']:.1f}",
-             str(tool["peak_concurrency"]))
+             f"{tool.get('calls_saved_per_step') or 0:.1f}", str(tool["peak_concurrency"]))
             for p in projection for name, tool in p["tools"].items()]
     if not rows:
         return ["\nprojected tool load per training step: no tool calls in these rollouts"] if projection else []
-    rows.insert(0, ("compute_multiplier", "batch", "group", "rollouts", "tool", "calls/step", "peak concurrency"))
+    rows.insert(0, ("compute_multiplier", "batch", "group", "rollouts", "tool", "calls/step", "from cache",
+                    "peak concurrency"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return ["\nprojected tool load per training step (* = this config):", *table]

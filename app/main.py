@@ -10,11 +10,14 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.core.config import Settings, get_settings
+from app.core.crypto import secret_box
 from app.core.db import make_engine, make_session_factory
 from app.core.errors import error_body, install_error_handlers
+from app.core.input_limits import InputLimits
 from app.core.lifecycle import PeriodicLoop
 from app.core.migrations import ensure_schema
 from app.core.queue import JobQueue
+from app.core.rate_limit import KeyRateLimiter
 from app.diagnostics import pipeline as diagnostics_pipeline
 from app.diagnostics.router import router as diagnostics_router
 from app.diagnostics.watchdog import expire_diagnostic_leases
@@ -60,6 +63,7 @@ class UploadLimit:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    secret_box(settings)  # no key to seal stored secrets with: refuse to start (SecretKeysMissing says why)
     engine = make_engine(settings.resolved_database_url)
 
     @asynccontextmanager
@@ -105,10 +109,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = make_session_factory(engine)
     app.state.storage = LocalStorage(settings.resolved_storage_dir)
     app.state.queue = JobQueue(settings)
+    app.state.rate_limiter = (KeyRateLimiter(settings.api_rate_limit, settings.api_rate_limit_storage)
+                              if settings.api_rate_limit else None)
     # Webhook deliveries written in a transaction go to the broker right after its commit.
     install_dispatch(app.state.session_factory, app.state.queue.enqueue_webhook)
     install_error_handlers(app)
     app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
+    # No NUL in a path, query, form or JSON string; JSON at most 64 levels deep (docs/security.md).
+    app.add_middleware(InputLimits)
     for router in (files_router, jobs_router, graders_router, diagnostics_router, webhooks_router, serving_router):
         app.include_router(router)
     # /internal/v1: what workers call, with the worker token

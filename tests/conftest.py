@@ -21,6 +21,7 @@ import psycopg
 import pytest
 import redis
 import uvicorn
+from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
 
 from app.auth.service import create_project
@@ -34,6 +35,9 @@ from app.models import Base
 PG_HOST = os.environ.get("AGENT_RFT_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 REDIS_URL = os.environ.get("AGENT_RFT_TEST_REDIS", "redis://127.0.0.1:6379/15")
 REPO = Path(__file__).resolve().parents[1]
+# The key that seals stored secrets, for every Settings the tests build and every process they start
+# with this environment (outside the embedded default the server refuses to start without one).
+os.environ.setdefault("AGENT_RFT_SECRET_KEYS", Fernet.generate_key().decode())
 
 
 @contextmanager

@@ -70,13 +70,13 @@ class DiagnosticRun:
         config, _ = resolve_hyperparameters(reinforcement, n_train=len(rows), n_valid=0, seed=spec.seed)
         options = ToolClientOptions()
         basis = load_basis(reinforcement, n_train=len(rows), seed=spec.seed,
-                           tool_max_concurrency=options.max_concurrency)
+                           tool_max_concurrency=options.max_concurrency, tools=reinforcement.tools)
         await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, self.lease_id, [],
                                 samples_total=len(chosen), load_basis=basis)
         if loaded is None:
             loaded = await asyncio.to_thread(load_model, spec.model, dtype=reinforcement.x_open_model.dtype)
-        async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist,
-                              options=options) as tool_client:
+        async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist, options=options,
+                              non_read_only=spec.non_read_only_tools) as tool_client:
             engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,
                                    config.engine)
             outcome = await run_diagnostic(

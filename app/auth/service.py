@@ -1,4 +1,5 @@
-"""Projects and API keys. Keys are shown once, stored as SHA-256 digests."""
+"""Projects and API keys. Keys are shown once, stored as SHA-256 digests; they can be listed
+(prefix and dates, never the secret), revoked, and given an expiry."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from app.auth.models import ApiKey, Project
+from app.core.db import utcnow
 from app.core.ids import new_id
 
 KEY_PREFIX = "sk-"
+LAST_USED_RESOLUTION = timedelta(minutes=1)  # `last_used_at` is this precise: no write per request
 _PROJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -41,10 +45,33 @@ def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def _new_key(session: Session, project: Project) -> CreatedKey:
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a listing shows of a key: never the secret, nor its hash."""
+
+    key_id: str
+    display_prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+    def state(self, now: datetime) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if self.expires_at is not None and _aware(self.expires_at) <= now else "active"
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were stored in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=utcnow().tzinfo)
+
+
+def _new_key(session: Session, project: Project, expires_at: datetime | None = None) -> CreatedKey:
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey(
-        id=new_id("key_"), project_id=project.id, key_hash=hash_key(secret), display_prefix=secret[:7]
+        id=new_id("key_"), project_id=project.id, key_hash=hash_key(secret), display_prefix=secret[:7],
+        expires_at=expires_at,
     )
     session.add(key)
     session.flush()
@@ -64,19 +91,43 @@ def create_project(*, session: Session, name: str) -> CreatedKey:
     return _new_key(session, project)
 
 
-def create_key(*, session: Session, project_name: str) -> CreatedKey:
-    project = session.scalar(select(Project).where(Project.name == project_name))
+def _project(session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
     if project is None:
-        raise ProjectError(f"No project named '{project_name}'.")
-    return _new_key(session, project)
+        raise ProjectError(f"No project named '{name}'.")
+    return project
+
+
+def create_key(*, session: Session, project_name: str, expires_at: datetime | None = None) -> CreatedKey:
+    return _new_key(session, _project(session, project_name), expires_at)
+
+
+def list_keys(*, session: Session, project_name: str) -> list[KeyInfo]:
+    """The project's keys, oldest first, revoked and expired ones included."""
+    project = _project(session, project_name)
+    keys = session.scalars(select(ApiKey).where(ApiKey.project_id == project.id).order_by(ApiKey.created_at))
+    return [KeyInfo(k.id, k.display_prefix, k.created_at, k.last_used_at, k.expires_at, k.revoked_at) for k in keys]
+
+
+def revoke_key(*, session: Session, key_id: str) -> KeyInfo:
+    """Revoke a key (by its id, as `keys list` shows it); it answers 401 from the next request."""
+    key = session.scalar(select(ApiKey).where(ApiKey.id == key_id).with_for_update())
+    if key is None:
+        raise ProjectError(f"No API key with id '{key_id}'.")
+    key.revoked_at = key.revoked_at or utcnow()
+    return KeyInfo(key.id, key.display_prefix, key.created_at, key.last_used_at, key.expires_at, key.revoked_at)
 
 
 def authenticate(*, session: Session, secret: str) -> Principal | None:
+    """The principal of a live key (not revoked, not expired); notes its use once a minute."""
     if not secret.startswith(KEY_PREFIX):
         return None
-    key = session.scalar(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(secret), ApiKey.revoked_at.is_(None))
-    )
+    now = utcnow()
+    key = session.scalar(select(ApiKey).where(
+        ApiKey.key_hash == hash_key(secret), ApiKey.revoked_at.is_(None),
+        or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now)))
     if key is None:
         return None
+    if key.last_used_at is None or _aware(key.last_used_at) < now - LAST_USED_RESOLUTION:
+        key.last_used_at = now
     return Principal(project_id=key.project_id, key_id=key.id)

@@ -72,6 +72,14 @@ class Settings(BaseSettings):
         description="Use a local transformers model as the judge instead (a registry name such as `SmolLM2-135M-Instruct`, or a directory).",
     )
     grader_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to an endpoint grader or judge model.")
+    grader_max_retry_after_s: float = Field(
+        60.0, ge=0,
+        description="Longest wait a 429/503 `Retry-After` from an endpoint grader or judge model gets (such waits spend no attempt).",
+    )
+    grader_max_concurrency: int = Field(
+        64, ge=1,
+        description="Most requests in flight to one endpoint grader or judge URL; halved on throttling, regained on success (AIMD).",
+    )
     python_grader_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one `python` grader run.")
     python_grader_memory_mb: int = Field(512, ge=64, description="Memory limit of the `python` grader's sandbox process.")
     lease_seconds: int = Field(
@@ -102,6 +110,18 @@ class Settings(BaseSettings):
     kv_cache_mb: float = Field(
         512.0, ge=0,
         description="Memory (MB) a worker's rollouts may keep in attention caches between their turns (a kept cache spares the next turn its prefill); 0 keeps none.",
+    )
+    secret_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated Fernet keys that encrypt the secrets stored in the database (tool headers, webhook signing secrets), newest first: the first encrypts, every one decrypts. Required with PostgreSQL; unset with the embedded SQLite default: a key generated once into `<data_dir>/secret.key`. docs/security.md.",
+    )
+    api_rate_limit: str | None = Field(
+        None,
+        description="Requests each API key may make to `/v1`, e.g. `600/minute` or `20/second` (the `limits` library's notation); over it the answer is 429 with `Retry-After`. Unset: no limit.",
+    )
+    api_rate_limit_storage: str = Field(
+        "memory://",
+        description="Where the rate limit counts live: `memory://` counts per API process; a `redis://host:port/db` URL shares one count across API processes.",
     )
     dashboard_secret: SecretStr | None = Field(
         None,
@@ -142,12 +162,24 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
 
-    @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", mode="before")
+    @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", "secret_keys", mode="before")
     @classmethod
     def _split_comma_list(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("api_rate_limit")
+    @classmethod
+    def _check_rate_limit(cls, limit: str | None) -> str | None:
+        if limit:
+            from limits import parse
+
+            try:
+                parse(limit)
+            except ValueError as exc:
+                raise ValueError(f"not a rate limit such as '600/minute' or '20/second': {exc}") from None
+        return limit or None
 
     @field_validator("webhook_retry_schedule_s")
     @classmethod

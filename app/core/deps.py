@@ -53,6 +53,9 @@ def _current_key(request: Request, session: SessionDep) -> Principal:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    limiter = getattr(request.app.state, "rate_limiter", None)
+    if limiter is not None:  # AGENT_RFT_API_RATE_LIMIT
+        limiter.check(principal.key_id)
     return principal
 
 

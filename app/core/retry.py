@@ -12,23 +12,34 @@ Waits grow exponentially with equal jitter (half fixed, half random), so the ret
 concurrent callers spread out instead of arriving together. After the last attempt its outcome
 stands: a response is returned as it is, an exception raised as it is.
 
+Backpressure is not failure: a caller may pass `throttle`, which reads a failed attempt's
+outcome for a throttled answer (429 or 503 with Retry-After, `throttle_wait_s`). Such an answer
+is waited out as long as it asks (the caller cut it to its cap) and spends none of the
+`attempts`, until `throttle_budget_s` of such waits is spent in the call; the policy object's
+`statistics["throttled"]` and `["throttle_wait_s"]` count them.
+
 Imports only httpx, tenacity and the standard library (app/ never imports torch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import timezone
 from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception, retry_if_result, stop_after_attempt
 from tenacity.retry import retry_base
+from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+THROTTLE_STATUS = frozenset({429, 503})  # the server is busy, not broken: slow down
 EXCERPT_CHARS = 300  # how much of a body an error message quotes
 
 
@@ -40,6 +51,33 @@ def retryable_status(status_code: int) -> bool:
 def retryable_error(exc: BaseException) -> bool:
     """Whether an exception raised by one attempt is worth another try."""
     return isinstance(exc, (httpx.TransportError, TimeoutError))
+
+
+def retry_after_s(value: str | None, *, now: float | None = None) -> float | None:
+    """The wait a Retry-After header asks for, in seconds: delta-seconds ("120") or an HTTP date
+    ("Wed, 21 Oct 2015 07:28:00 GMT"); a date in the past is 0. None when absent or unreadable."""
+    if value is None or not value.strip():
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # RFC 9110 dates are GMT; parsedate gives "-0000" as naive
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def throttle_wait_s(status_code: int, headers: Mapping[str, str], cap_s: float) -> float | None:
+    """How long a throttled answer (429 or 503 with a readable Retry-After) asks to wait, cut to
+    `cap_s`; None for any other answer."""
+    if status_code not in THROTTLE_STATUS:
+        return None
+    asked = retry_after_s(headers.get("retry-after"))
+    return None if asked is None else min(asked, cap_s)
 
 
 def _retryable_response(result: Any) -> bool:
@@ -65,14 +103,73 @@ class Backoff(wait_base):
         return self.delay(retry_state.attempt_number)  # the attempt that just failed: retry n follows attempt n
 
 
+class _Throttling:
+    """One call's throttled attempts: which ones asked to wait, and how long. Stop and wait both
+    ask about the same attempt (in an order tenacity decides), so the answer is kept per attempt."""
+
+    def __init__(self, wait_for: Callable[[RetryCallState], float | None], budget_s: float) -> None:
+        self.wait_for, self.budget_s = wait_for, budget_s
+        self.waits: dict[int, float | None] = {}  # attempt number -> its throttle wait; None: a plain failure
+
+    def wait_of(self, retry_state: RetryCallState) -> float | None:
+        number = retry_state.attempt_number
+        if number not in self.waits:
+            wait = self.wait_for(retry_state)
+            if wait is not None and self.waited_s + wait > self.budget_s:
+                wait = None  # the budget is spent: from now on a throttled answer counts as a failure
+            self.waits[number] = wait
+            if wait is not None:
+                stats = retry_state.retry_object.statistics
+                stats["throttled"] = stats.get("throttled", 0) + 1
+                stats["throttle_wait_s"] = stats.get("throttle_wait_s", 0.0) + wait
+        return self.waits[number]
+
+    @property
+    def waited_s(self) -> float:
+        return sum(w for w in self.waits.values() if w is not None)
+
+    def spent_attempts(self, retry_state: RetryCallState) -> int:
+        """Attempts so far that count against the call's `attempts` (the throttled ones do not)."""
+        self.wait_of(retry_state)
+        return sum(1 for n in range(1, retry_state.attempt_number + 1) if self.waits.get(n) is None)
+
+
+class _StopAfterSpent(stop_base):
+    def __init__(self, attempts: int, throttling: _Throttling) -> None:
+        self.attempts, self.throttling = attempts, throttling
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.throttling.spent_attempts(retry_state) >= self.attempts
+
+
+class _WaitAsAsked(wait_base):
+    """A throttled attempt waits what it asked; any other failure backs off by the failures so far."""
+
+    def __init__(self, backoff: Backoff, throttling: _Throttling) -> None:
+        self.backoff, self.throttling = backoff, throttling
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        asked = self.throttling.wait_of(retry_state)
+        if asked is not None:
+            return asked
+        return self.backoff.delay(max(1, self.throttling.spent_attempts(retry_state)))
+
+
 def _last_outcome(retry_state: RetryCallState) -> Any:
     return retry_state.outcome.result()  # type: ignore[union-attr]  # returns the result or raises the exception
 
 
 def _policy(attempts: int, retry: retry_base, base_s: float, max_s: float,
-            before_sleep: Callable[[RetryCallState], Any] | None) -> dict[str, Any]:
-    return {"stop": stop_after_attempt(max(1, attempts)), "retry": retry, "wait": Backoff(base_s, max_s),
-            "before_sleep": before_sleep, "retry_error_callback": _last_outcome}
+            before_sleep: Callable[[RetryCallState], Any] | None,
+            throttle: Callable[[RetryCallState], float | None] | None = None,
+            throttle_budget_s: float = math.inf) -> dict[str, Any]:
+    stop: stop_base = stop_after_attempt(max(1, attempts))
+    wait: wait_base = Backoff(base_s, max_s)
+    if throttle is not None:
+        throttling = _Throttling(throttle, throttle_budget_s)
+        stop, wait = _StopAfterSpent(max(1, attempts), throttling), _WaitAsAsked(Backoff(base_s, max_s), throttling)
+    return {"stop": stop, "retry": retry, "wait": wait, "before_sleep": before_sleep,
+            "retry_error_callback": _last_outcome}
 
 
 def retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = retry_transient_http,
@@ -87,10 +184,17 @@ def retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = 
 
 def async_retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = retry_transient_http,
                    before_sleep: Callable[[RetryCallState], Any] | None = None,
-                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncRetrying:
+                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                   throttle: Callable[[RetryCallState], float | None] | None = None,
+                   throttle_budget_s: float = math.inf) -> AsyncRetrying:
     """The same policy for coroutines: `await async_retrying(...)(coro_fn, *args)`. One per call
-    (its statistics are per object, and concurrent calls on one loop would share them)."""
-    return AsyncRetrying(sleep=sleep, **_policy(attempts, retry, base_s, max_s, before_sleep))
+    (its statistics are per object, and concurrent calls on one loop would share them).
+
+    `throttle(retry_state)`: the seconds a failed attempt's throttled answer asks to wait (None when
+    it was not throttled); those attempts are waited out and not counted against `attempts`, until
+    `throttle_budget_s` of waits is spent (module docstring)."""
+    return AsyncRetrying(sleep=sleep, **_policy(attempts, retry, base_s, max_s, before_sleep, throttle,
+                                                throttle_budget_s))
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:

@@ -60,6 +60,19 @@ CHARTS: tuple[Chart, ...] = (
     Chart("tool-errors", "Tool error rate, by tool", "share of calls", (
         Series("tool", prefix="tools.tool_error_rate_by_tool."),
     ), percent=True),
+    Chart("tool-cache", "Tool-result cache hit rate, by tool", "share of calls", (
+        Series("tool", prefix="tools.tool_cache_hit_rate_by_tool."),
+    ), percent=True, help="Calls of read-only tools with `cache` answered from the job's cache: each hit is one "
+                          "request the endpoint did not get."),
+    Chart("tool-throttled", "Throttled tool answers, by tool", "answers per step", (
+        Series("tool", prefix="tools.tool_throttled_by_tool."),
+    ), help="429/503 answers with Retry-After: waited out as asked, without spending the call's retries."),
+    Chart("tool-throttle-wait", "Time waiting on throttled tools, by tool", "seconds per step", (
+        Series("tool", prefix="tools.tool_throttle_wait_s_by_tool."),
+    )),
+    Chart("tool-concurrency", "Tool concurrency, by tool", "requests in flight (limit)", (
+        Series("tool", prefix="tools.tool_concurrency_by_tool."),
+    ), help="Halves when a tool throttles, creeps back up to its max_concurrency as calls succeed."),
     Chart("episode-failures", "Budget exhausted and parse errors", "share of rollouts", (
         Series("tool budget exhausted", key="tools.budget_exhausted_rate"),
         Series("parse error", key="tools.parse_error_rate"),

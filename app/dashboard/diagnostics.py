@@ -10,6 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.db import unix
+from app.core.tracing import w3c_trace_id
 from app.dashboard.queries import transcript
 from app.diagnostics import service as diagnostics
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
@@ -91,4 +92,5 @@ def rollout_detail(*, session: Session, diagnostic_id: str, trace_id: str) -> di
         "usage": {k: record.get(k) for k in ("prompt_tokens", "completion_tokens", "tool_output_tokens")},
         "turns": record.get("turns"), "parse_errors": record.get("parse_errors"),
         "wall_time_s": record.get("wall_time_s"), "entries": transcript(record),
+        "w3c_trace_id": w3c_trace_id(row.trace_id),
     }

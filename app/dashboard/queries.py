@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.orm import Session
 
 from app.core.db import unix, utcnow
+from app.core.tracing import w3c_trace_id
 from app.dashboard.charts import charted_keys
 from app.jobs import service as jobs
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep
@@ -321,7 +322,7 @@ def _tool_entry(call: dict[str, Any], output: str | None) -> dict[str, Any]:
             "arguments": _pretty_arguments(call.get("arguments", "")), "status": call.get("status"),
             "status_code": call.get("status_code"), "latency_ms": latency * 1000 if isinstance(latency, (int, float)) else None,
             "bytes": call.get("bytes"), "truncated": bool(call.get("truncated")), "error": call.get("error"),
-            "output": output}
+            "cached": bool(call.get("cached")), "output": output}
 
 
 def rollout_detail(*, session: Session, job_id: str, trace_id: str) -> dict[str, Any] | None:
@@ -338,4 +339,5 @@ def rollout_detail(*, session: Session, job_id: str, trace_id: str) -> dict[str,
         "usage": {k: record.get(k) for k in ("prompt_tokens", "completion_tokens", "tool_output_tokens")},
         "turns": record.get("turns"), "parse_errors": record.get("parse_errors"),
         "wall_time_s": record.get("wall_time_s"), "entries": transcript(record),
+        "w3c_trace_id": w3c_trace_id(row.trace_id),
     }

@@ -29,6 +29,8 @@ class Diagnostic(LeasedRun, Base):
     method: Mapped[dict[str, Any]] = mapped_column(JSONType)
     runs_per_sample: Mapped[int] = mapped_column(Integer)
     max_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Calls of tools not declared read_only: call, skip or dry_run (app/diagnostics/options.py).
+    non_read_only_tools: Mapped[str] = mapped_column(String(16), default="call", server_default="call")
     seed: Mapped[int] = mapped_column(Integer)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType, nullable=True)
     status: Mapped[str] = mapped_column(String(32), index=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_RUNS_PER_SAMPLE = 3
@@ -20,6 +22,11 @@ class DiagnosticRunOptions(BaseModel):
     max_samples: int | None = Field(
         None, ge=1, le=MAX_SAMPLES_LIMIT,
         description="Diagnose at most this many rows (a seeded random subset); default every row.",
+    )
+    non_read_only_tools: Literal["call", "skip", "dry_run"] = Field(
+        "call", description="Calls of tools not declared read_only: `call` them as training would; `skip` them "
+                            "(the model reads an error output saying the call was skipped); or `dry_run`: send "
+                            'them with `"dry_run": true` in the body, for a server that then changes nothing.',
     )
 
 

@@ -49,6 +49,7 @@ class DiagnosticObject(BaseModel):
     method: dict[str, Any]
     runs_per_sample: int
     max_samples: int | None
+    non_read_only_tools: str = "call"
     seed: int
     metadata: dict[str, str] | None = None
     fine_tuning_job_id: str | None = Field(None, description="The job that ran this diagnostic before training.")

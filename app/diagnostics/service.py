@@ -41,7 +41,8 @@ def to_schema(diagnostic: Diagnostic, *, with_samples: bool = True) -> Diagnosti
         error=JobError(**diagnostic.error) if diagnostic.error else None, organization_id=diagnostic.project_id,
         model=diagnostic.model, training_file=diagnostic.training_file,
         method=jobs.public_method(diagnostic.method), runs_per_sample=diagnostic.runs_per_sample,
-        max_samples=diagnostic.max_samples, seed=diagnostic.seed, metadata=diagnostic.user_metadata,
+        max_samples=diagnostic.max_samples, non_read_only_tools=diagnostic.non_read_only_tools,
+        seed=diagnostic.seed, metadata=diagnostic.user_metadata,
         fine_tuning_job_id=diagnostic.job_id,
         progress=DiagnosticProgress(
             samples_done=diagnostic.samples_done, samples_total=total, rollouts_done=diagnostic.rollouts_done,
@@ -64,6 +65,7 @@ def create(*, session: Session, settings: Settings, project_id: str, body: Diagn
     diagnostic = Diagnostic(
         id=new_id("diag-"), project_id=project_id, model=body.model, training_file=body.training_file,
         method=method, runs_per_sample=body.runs_per_sample, max_samples=body.max_samples,
+        non_read_only_tools=body.non_read_only_tools,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31 - 1), user_metadata=body.metadata,
         status=S.VALIDATING_FILES.value,
     )

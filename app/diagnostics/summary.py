@@ -114,7 +114,7 @@ def summarize(samples: Sequence[Mapping[str, Any]], rollouts: Sequence[Mapping[s
         for call in record.get("tool_calls") or []:
             if isinstance(call, Mapping) and call.get("name"):
                 calls[str(call["name"])] += 1
-                if call.get("status") != "ok":
+                if call.get("status") not in ("ok", "skipped"):  # skipped: the diagnostic's own choice
                     errors[str(call["name"])] += 1
     tool_failures = sum(1 for d in data if d.get("excluded") == "tool_failure")
     grader_failures = sum(1 for d in data if d.get("excluded") == "grader_failure")
@@ -161,11 +161,16 @@ def project_load(data: Sequence[Mapping[str, Any]], load_basis: Mapping[str, Any
     - rollouts per step = batch_size × group_size (the trainer runs them all at once);
     - calls per step = rollouts per step × measured calls per rollout to that tool;
     - peak concurrency = min(the client's in-flight cap per tool,
-                             rollouts per step × the most calls to that tool one turn made at once).
+                             rollouts per step × the most calls to that tool one turn made at once);
+    - requests per second = calls per step / the mean rollout's wall time (a step runs its
+      rollouts at once, so its calls spread over about one rollout's time), compared with the
+      tool's own `rate_limit`: over it, the calls queue and the tool alone takes at least
+      calls per step / rate_limit seconds of every step.
     """
     if not load_basis or not data:
         return []
     n = len(data)
+    seconds = _mean_of(data, "wall_time_s")
     calls: Counter[str] = Counter()
     simultaneous: dict[str, int] = {}
     for record in data:
@@ -173,20 +178,63 @@ def project_load(data: Sequence[Mapping[str, Any]], load_basis: Mapping[str, Any
         for name, peak in _max_simultaneous_by_tool(record).items():
             simultaneous[name] = max(simultaneous.get(name, 0), peak)
     cap = load_basis.get("tool_max_concurrency")
+    limits = load_basis.get("tool_limits") or {}
+    hits = _cache_hits(data)
     projection = []
     for setting in load_basis.get("settings") or []:
         rollouts = int(setting["batch_size"]) * int(setting["group_size"])
         tools = {}
         for name in sorted(calls):
             demand = rollouts * simultaneous.get(name, 1)
-            tools[name] = {"calls_per_rollout": calls[name] / n, "calls_per_step": rollouts * calls[name] / n,
+            own = limits.get(name) or {}
+            tool_cap = own.get("max_concurrency") or cap
+            per_step = rollouts * calls[name] / n
+            tools[name] = {"calls_per_rollout": calls[name] / n, "calls_per_step": per_step,
                            "max_simultaneous_per_rollout": simultaneous.get(name, 1),
-                           "peak_concurrency": min(demand, cap) if isinstance(cap, int) else demand,
-                           "peak_concurrency_uncapped": demand}
+                           "peak_concurrency": min(demand, tool_cap) if isinstance(tool_cap, int) else demand,
+                           "peak_concurrency_uncapped": demand, "max_concurrency": tool_cap,
+                           **_cache_savings(per_step, hits[name] / calls[name]),
+                           **_rate_against_limit(per_step, seconds, own.get("rate_limit"))}
         projection.append({"compute_multiplier": setting["compute_multiplier"], "batch_size": setting["batch_size"],
                            "group_size": setting["group_size"], "rollouts_per_step": rollouts,
                            "configured": bool(setting.get("configured")), "tools": tools})
     return projection
+
+
+def _cache_hits(data: Sequence[Mapping[str, Any]]) -> Counter[str]:
+    """Calls per tool answered from the tool-result cache (read-only tools with `cache`)."""
+    hits: Counter[str] = Counter()
+    for record in data:
+        for call in record.get("tool_calls") or []:
+            if isinstance(call, Mapping) and call.get("name") and call.get("cached"):
+                hits[str(call["name"])] += 1
+    return hits
+
+
+def _cache_savings(calls_per_step: float, hit_rate: float) -> dict[str, float]:
+    """The measured hit rate, and what it leaves the endpoint per step. Measured over the
+    diagnostic's groups (runs_per_sample rollouts of a prompt): training's groups differ in size."""
+    saved = calls_per_step * hit_rate
+    return {"cache_hit_rate": hit_rate, "calls_saved_per_step": saved,
+            "endpoint_calls_per_step": calls_per_step - saved}
+
+
+def _rate_against_limit(calls_per_step: float, step_seconds: float | None, rate_limit: float | None
+                        ) -> dict[str, Any]:
+    rate = calls_per_step / step_seconds if step_seconds else None
+    throttled = bool(rate_limit and rate is not None and rate > rate_limit)
+    return {"requests_per_s": rate, "rate_limit": rate_limit, "throttled": throttled,
+            "step_tool_seconds_at_limit": calls_per_step / rate_limit if rate_limit else None,
+            "step_seconds_unthrottled": step_seconds}
+
+
+def throttled_tools(projection: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The tools whose projected requests per second at the job's own compute_multiplier exceed
+    their `rate_limit`, with their projection."""
+    configured = next((p for p in projection if p.get("configured")), None)
+    if configured is None:
+        return []
+    return [(name, tool) for name, tool in configured["tools"].items() if tool.get("throttled")]
 
 
 def _pct(share: float) -> str:
@@ -250,8 +298,9 @@ def verdict(samples: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], ru
                f"{runs_per_sample} runs): that is where learning can happen.")
     if breakdown:
         message += f" The rest carry no gradient: {breakdown}."
-    level = "ok" if share >= LOW_SIGNAL_SHARE else "warning"
-    if level == "warning":
+    low_signal = share < LOW_SIGNAL_SHARE
+    level = "warning" if low_signal or throttled_tools(summary.get("load_projection") or []) else "ok"
+    if low_signal:
         message += (" With so few samples with signal, most of each step is wasted: consider dropping the "
                     "zero-signal samples (x_open_model.diagnostic.drop_zero_signal) or making the task easier.")
     return {**result, "level": level, "message": message, "example_rollout_ids": _examples(samples, "mixed")}
@@ -267,6 +316,13 @@ def _notes(summary: Mapping[str, Any]) -> list[str]:
                      "and fails a step above 50%.")
     if summary.get("parse_error_rate", 0) > FAILURE_NOTE_RATE:
         notes.append(f"{_pct(summary['parse_error_rate'])} of rollouts had a tool-call parse error.")
+    for name, tool in throttled_tools(summary.get("load_projection") or []):
+        notes.append(
+            f"Training would be throttled by tool '{name}': about {tool['requests_per_s']:.1f} requests/s at the "
+            f"job's compute_multiplier, above its rate_limit of {tool['rate_limit']:g}/s. Its "
+            f"{tool['calls_per_step']:.0f} calls per step then take at least {tool['step_tool_seconds_at_limit']:.1f} s "
+            f"of every step (about {tool['step_seconds_unthrottled']:.1f} s unthrottled): raise the limit, lower "
+            "compute_multiplier or batch_size, or cache the tool's results.")
     return notes
 
 

@@ -22,6 +22,7 @@ class ClaimedDiagnostic(BaseModel):
     method: ClaimedMethod = Field(description="The stored method, tool headers included (unmasked).")
     runs_per_sample: int
     max_samples: int | None
+    non_read_only_tools: Literal["call", "skip", "dry_run"] = "call"
     seed: int
     done_samples: list[int] = Field(description="Samples with every run stored: a worker that takes over skips them.")
 

@@ -10,6 +10,7 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
+from app.core.crypto import secret_box
 from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request, not_found
 from app.core.ids import new_id
@@ -32,6 +33,7 @@ from app.jobs.models import Job
 from app.jobs.schemas import OpenModelOptions
 from app.jobs.state import ACTIVE as JOB_ACTIVE
 from app.jobs.state import add_event
+from app.jobs.tool_headers import open_headers
 from app.jobs.worker_service import tool_call_count
 
 S = DiagnosticStatus
@@ -53,9 +55,9 @@ def claim(*, session: Session, settings: Settings, diagnostic_id: str, worker_id
         lease_id=diagnostic.lease_id, lease_expires_at=unix(diagnostic.lease_expires_at),
         diagnostic=ClaimedDiagnostic(
             id=diagnostic.id, project_id=diagnostic.project_id, job_id=diagnostic.job_id, model=diagnostic.model,
-            training_file=diagnostic.training_file, method=diagnostic.method,
+            training_file=diagnostic.training_file, method=open_headers(diagnostic.method, secret_box(settings)),
             runs_per_sample=diagnostic.runs_per_sample, max_samples=diagnostic.max_samples, seed=diagnostic.seed,
-            done_samples=done_samples(session, diagnostic)))
+            non_read_only_tools=diagnostic.non_read_only_tools, done_samples=done_samples(session, diagnostic)))
 
 
 def _job_is_over(session: Session, diagnostic: Diagnostic) -> bool:
@@ -144,7 +146,8 @@ def diagnostic_for_job(*, session: Session, job_id: str, lease_id: str) -> JobDi
     diagnostic = Diagnostic(
         id=new_id("diag-"), project_id=job.project_id, job_id=job.id, model=job.model,
         training_file=job.training_file, method=job.method, runs_per_sample=options.runs_per_sample,
-        max_samples=options.max_samples, seed=job.seed, status=S.QUEUED.value,
+        max_samples=options.max_samples, non_read_only_tools=options.non_read_only_tools, seed=job.seed,
+        status=S.QUEUED.value,
     )
     session.add(diagnostic)
     session.flush()

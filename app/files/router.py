@@ -25,6 +25,7 @@ async def create_file(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> FileObject:
     service.check_purpose(purpose)
+    service.check_filename(file.filename)
     storage = request.app.state.storage
     # The multipart parser has already spooled the upload to a temporary file on disk; copy it
     # to storage in chunks, off the event loop.

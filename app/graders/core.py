@@ -131,6 +131,11 @@ class GraderContext:
     # ...or a local transformers model (a name from the model registry, or a directory).
     judge_local_model: str | None = None
     request_timeout_s: float = 30.0
+    # Backpressure of endpoint graders and remote judges (app/graders/judges.py): the longest wait a
+    # Retry-After gets, the most such waits one request may add up, in-flight requests per URL (AIMD).
+    max_retry_after_s: float = 60.0
+    max_throttle_wait_s: float = 600.0
+    max_concurrency_per_url: int = 64
     python_timeout_s: float = 10.0
     python_memory_mb: int = 512
     http_client: httpx.AsyncClient | None = None

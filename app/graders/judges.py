@@ -7,7 +7,9 @@ messages with a `JudgeReply`; failures to get an answer raise GraderError with
 
 The outbound half (`post_json`, `http_client`) is also what the `endpoint` grader uses:
 one SSRF-guarded, pooled httpx client per context and event loop, and retries with backoff
-(the policy of app.core.retry).
+(the policy of app.core.retry). Backpressure is not failure: a 429/503 with Retry-After waits
+as asked (at most `ctx.max_retry_after_s`) without spending an attempt, and each URL's
+concurrency adapts (AIMD, app.core.concurrency, up to `ctx.max_concurrency_per_url`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from tenacity import retry_if_exception_type
+from tenacity import RetryCallState, retry_if_exception_type
 
-from app.core.retry import async_retrying, excerpt, retryable_status
+from app.core.concurrency import AdaptiveLimit
+from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_status, throttle_wait_s
+from app.core.tracing import traceparent
 from app.core.urls import BlockedURL, guard_url, guarded_client
 from app.graders.core import GraderContext, GraderError
 
@@ -38,7 +42,16 @@ LOCAL_DEFAULT_MAX_TOKENS = 256
 
 
 class Unresponsive(Exception):
-    """No usable answer after every attempt (5xx, 408/429, timeouts, connection errors)."""
+    """No usable answer after every attempt (5xx, 408/429, timeouts, connection errors). One
+    attempt's carries its status and Retry-After, so that backpressure is waited out."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, headers: httpx.Headers | None = None) -> None:
+        super().__init__(message)
+        self.status_code, self.headers = status_code, headers or httpx.Headers()
+
+    @property
+    def throttled(self) -> bool:
+        return self.status_code in THROTTLE_STATUS
 
 
 def loop_state(ctx: GraderContext) -> dict[str, Any]:
@@ -68,6 +81,45 @@ async def close_http_client(ctx: GraderContext) -> None:
         await client.aclose()
 
 
+@dataclass
+class _Backpressure:
+    """One URL's adaptive concurrency and what its throttling cost, on this loop."""
+
+    limit: AdaptiveLimit
+    throttled: int = 0  # answers that asked to wait (429/503 with Retry-After)
+    throttle_wait_s: float = 0.0
+
+
+def _backpressure(ctx: GraderContext, url: str) -> _Backpressure:
+    per_url = loop_state(ctx).setdefault("backpressure", {})
+    if url not in per_url:
+        per_url[url] = _Backpressure(AdaptiveLimit(ctx.max_concurrency_per_url))
+    return per_url[url]
+
+
+def adaptive_limit(ctx: GraderContext, url: str) -> AdaptiveLimit:
+    """The AIMD concurrency limit of one grader URL, shared by every grading on this loop."""
+    return _backpressure(ctx, url).limit
+
+
+def backpressure_stats(ctx: GraderContext) -> dict[str, dict[str, float]]:
+    """Per URL called from this loop: throttled answers, seconds waited for them, the current
+    concurrency limit and its ceiling."""
+    return {url: {"throttled": b.throttled, "throttle_wait_s": b.throttle_wait_s, "concurrency": b.limit.limit,
+                  "max_concurrency": b.limit.max_limit}
+            for url, b in loop_state(ctx).get("backpressure", {}).items()}
+
+
+async def _counted(policy: Any, fn: Any, ctx: GraderContext, url: str) -> httpx.Response:
+    """policy(fn), adding the call's throttled answers and waits to the URL's account."""
+    try:
+        return await policy(fn)
+    finally:
+        account = _backpressure(ctx, url)
+        account.throttled += policy.statistics.get("throttled", 0)
+        account.throttle_wait_s += policy.statistics.get("throttle_wait_s", 0.0)
+
+
 async def _check_url(url: str, ctx: GraderContext) -> None:
     # A client the deployment supplied may not carry the guard; ours checks each request itself.
     if ctx.http_client is not None:
@@ -82,32 +134,57 @@ async def _post_once(client: httpx.AsyncClient, url: str, body: Any, headers: di
     except httpx.TransportError as exc:
         raise Unresponsive(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
     if retryable_status(response.status_code):
-        raise Unresponsive(f"{url} answered {response.status_code}: {excerpt(response.text)}")
+        raise Unresponsive(f"{url} answered {response.status_code}: {excerpt(response.text)}",
+                           status_code=response.status_code, headers=response.headers)
     return response
 
 
 async def post_json(
     url: str, body: Any, ctx: GraderContext, *, headers: dict[str, str] | None = None,
-    attempts: int, limiter: Any = None,
+    attempts: int, limiter: Any = None, trace_id: str | None = None,
 ) -> httpx.Response:
     """POST JSON with retries on transient failures; returns the first non-transient response.
 
     Raises Unresponsive once `attempts` tries failed, BlockedURL when the SSRF guard refuses
-    the URL. `limiter` (an async context manager) is entered before every attempt.
+    the URL. `limiter` (an async context manager) is entered before every attempt. With a
+    `trace_id` (the rollout's), every attempt carries a W3C `traceparent` of that trace.
     """
     await _check_url(url, ctx)
     client = http_client(ctx)
 
+    def attempt_headers() -> dict[str, str]:
+        return {**(headers or {}), "traceparent": traceparent(trace_id)} if trace_id else headers or {}
+
     async def attempt() -> httpx.Response:
         if limiter is None:
-            return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+            return await _post_once(client, url, body, attempt_headers(), ctx.request_timeout_s)
         async with limiter:
-            return await _post_once(client, url, body, headers or {}, ctx.request_timeout_s)
+            return await _post_once(client, url, body, attempt_headers(), ctx.request_timeout_s)
+
+    adaptive = adaptive_limit(ctx, url)
+
+    async def limited_attempt() -> httpx.Response:
+        # The URL's AIMD concurrency: a throttled answer halves it, successes grow it back.
+        slot, throttled = await adaptive.acquire(), False
+        try:
+            return await attempt()
+        except Unresponsive as exc:
+            throttled = exc.throttled
+            raise
+        finally:
+            adaptive.release(slot, throttled=throttled)
+
+    def asked_wait(retry_state: RetryCallState) -> float | None:
+        exc = retry_state.outcome.exception()  # type: ignore[union-attr]
+        if not isinstance(exc, Unresponsive) or exc.status_code is None:
+            return None
+        return throttle_wait_s(exc.status_code, exc.headers, ctx.max_retry_after_s)
 
     policy = async_retrying(attempts=attempts, base_s=RETRY_BACKOFF_S, max_s=RETRY_BACKOFF_MAX_S,
-                            retry=retry_if_exception_type(Unresponsive))
+                            retry=retry_if_exception_type(Unresponsive), throttle=asked_wait,
+                            throttle_budget_s=ctx.max_throttle_wait_s)
     try:
-        return await policy(attempt)
+        return await _counted(policy, limited_attempt, ctx, url)
     except Unresponsive as exc:
         raise Unresponsive(f"{exc} (after {attempts} attempts)") from None
 
@@ -124,21 +201,24 @@ class JudgeReply:
     usage: dict[str, int] = field(default_factory=dict)
 
 
-async def ask_judge(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext) -> JudgeReply:
-    """One chat completion from the configured judge (remote endpoint first, else local model)."""
+async def ask_judge(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext,
+                    trace_id: str | None = None) -> JudgeReply:
+    """One chat completion from the configured judge (remote endpoint first, else local model).
+    `trace_id`: the graded rollout's, sent to a remote judge as a `traceparent`."""
     if ctx.judge_base_url:
-        return await _ask_remote(model, messages, sampling, ctx)
+        return await _ask_remote(model, messages, sampling, ctx, trace_id)
     if ctx.judge_local_model:
         return await _ask_local(messages, sampling, ctx)
     raise GraderError("model_grader_server_error", NO_JUDGE_MESSAGE)
 
 
-async def _ask_remote(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext) -> JudgeReply:
+async def _ask_remote(model: str, messages: list[dict[str, Any]], sampling: dict[str, Any], ctx: GraderContext,
+                      trace_id: str | None = None) -> JudgeReply:
     url = ctx.judge_base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {ctx.judge_api_key}"} if ctx.judge_api_key else {}
     body = {**sampling, "model": model, "messages": messages}
     try:
-        response = await post_json(url, body, ctx, headers=headers, attempts=3)
+        response = await post_json(url, body, ctx, headers=headers, attempts=3, trace_id=trace_id)
     except Unresponsive as exc:
         raise GraderError("model_grader_server_error", f"judge model unavailable: {exc}") from None
     except BlockedURL as exc:

@@ -58,6 +58,8 @@ def grader_context(settings: Settings) -> GraderContext:
         judge_api_key=settings.judge_api_key.get_secret_value() if settings.judge_api_key else None,
         judge_local_model=settings.judge_local_model,
         request_timeout_s=settings.grader_timeout_s,
+        max_retry_after_s=settings.grader_max_retry_after_s,
+        max_concurrency_per_url=settings.grader_max_concurrency,
         python_timeout_s=settings.python_grader_timeout_s,
         python_memory_mb=settings.python_grader_memory_mb,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator, model_validator
 
 from app.core.urls import check_http_url
 from app.diagnostics.options import JobDiagnosticOptions
@@ -16,6 +16,7 @@ Split = Literal["train", "valid"]
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOL_TIMEOUT_S = 600.0  # OpenAI's documented ceiling for one tool call
+MAX_TOOL_CACHE_TTL_S = 30 * 86400.0
 
 
 def auto_or(kind: type, low: float, high: float, *, low_open: bool = False) -> Any:
@@ -70,6 +71,32 @@ class ToolEndpoint(BaseModel):
     retries: int | None = Field(
         None, ge=0, le=10, description="Extension: retries of a transient failure (408, 429, 5xx, a timeout, a "
                                        "connection error) after the first attempt. Default 3.")
+    max_concurrency: int | None = Field(
+        None, ge=1, le=1024, description="Extension: the most calls to this tool in flight at once. Default 16.")
+    rate_limit: float | None = Field(
+        None, gt=0, le=100000, description="Extension: the most calls per second sent to this tool (spread "
+                                           "evenly, no burst). Default: unlimited. The variance diagnostic warns "
+                                           "when training would exceed it.")
+    read_only: bool = Field(
+        False, description="Extension: the tool has no side effects (a search, a read). The variance diagnostic "
+                           "can skip tools that are not, or send them dry_run (x_open_model.diagnostic."
+                           "non_read_only_tools); only a read-only tool may be cached.")
+    cache: bool | Annotated[float, Field(gt=0, le=MAX_TOOL_CACHE_TTL_S)] = Field(
+        False, description="Extension, read-only tools only: answer an identical call (same tool, same arguments "
+                           "as canonical JSON, same item unless cache_per_item is false) from the job's cache "
+                           "instead of the endpoint. true: for the whole job; a number: for that many seconds. "
+                           "Only successful results are kept. Default off: a stateful tool (per-trace_id state) "
+                           "must not be cached.")
+    cache_per_item: bool = Field(
+        True, description="Extension: the cache key includes the row's item (default). false: identical calls "
+                          "from different rows share one entry (the tool's answer does not depend on item).")
+
+    @model_validator(mode="after")
+    def _cache_needs_read_only(self) -> ToolEndpoint:
+        if self.cache and not self.read_only:
+            raise ValueError("cache needs read_only: true (a tool with side effects or per-trace_id state must "
+                             "not be answered from a cache)")
+        return self
 
     @field_validator("name")
     @classmethod

@@ -10,12 +10,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
+from app.core.crypto import secret_box
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage, page, page_by
 from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
+from app.graders.service import check_grader_urls
 from app.idempotency import service as idempotency
 from app.jobs.models import Checkpoint, Job, JobEvent, JobRollout
 from app.jobs.schemas import (
@@ -28,24 +30,16 @@ from app.jobs.schemas import (
     Method,
     RolloutObject,
 )
+from app.jobs import tool_headers
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
 from app.jobs.validation import parameters_schema_problem
 
 ENDPOINT = "POST /v1/fine_tuning/jobs"
 
 
-def mask_secret(value: str) -> str:
-    """Enough to recognise a header value, never enough to use it."""
-    return "****" + value[-4:] if len(value) >= 12 else "****"
-
-
 def public_method(method: dict[str, Any]) -> dict[str, Any]:
-    reinforcement = method.get("reinforcement") or {}
-    tools = [
-        {**tool, "headers": {k: mask_secret(v) for k, v in (tool.get("headers") or {}).items()}}
-        for tool in reinforcement.get("tools", [])
-    ]
-    return {**method, "reinforcement": {**reinforcement, "tools": tools}} if reinforcement else method
+    """The stored method as the API shows it: tool header values masked (sealed or legacy plain)."""
+    return tool_headers.public_headers(method)
 
 
 def _with_resolved_hyperparameters(method: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,14 +70,6 @@ def to_schema(job: Job) -> JobObject:
     )
 
 
-def _graders_with_urls(grader: Any, path: str) -> list[tuple[str, Any]]:
-    """Every grader in the tree (multi graders nest) that calls a user URL, with its param path."""
-    found = [(path, grader)] if getattr(grader, "url", None) else []
-    for name, sub in (getattr(grader, "graders", None) or {}).items():
-        found += _graders_with_urls(sub, f"{path}.graders.{name}")
-    return found
-
-
 def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
     if body.hyperparameters:
         raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
@@ -95,7 +81,7 @@ def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
 
 def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
     """The stored form of a `method` block, after every synchronous check (also used by the
-    variance diagnostic, which takes the same block)."""
+    variance diagnostic, which takes the same block): tool header values sealed."""
     if method is None:
         raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
                        code="missing_required_parameter", param="method")
@@ -121,13 +107,9 @@ def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
         except BlockedURL as exc:
             raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
                               param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
-    for path, grader in _graders_with_urls(method.reinforcement.grader, "method.reinforcement.grader"):
-        try:
-            guard_url(grader.url, settings.outbound_allowlist, strict_resolution=False)
-        except BlockedURL as exc:
-            raise bad_request(f"Grader '{grader.name}' url is not allowed: {exc}.", param=f"{path}.url",
-                              code="url_not_allowed") from exc
-    return {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
+    check_grader_urls(method.reinforcement.grader, settings.outbound_allowlist, param="method.reinforcement.grader")
+    stored = {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
+    return tool_headers.seal_headers(stored, secret_box(settings))
 
 
 def check_file(session: Session, project_id: str, file_id: str, param: str) -> None:

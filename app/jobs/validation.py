@@ -1,6 +1,7 @@
 """Line-by-line checks of a training or validation JSONL file.
 
-Streams the file: memory stays bounded by the longest line, whatever the file's size.
+Streams the file: memory stays bounded by the longest line, whatever the file's size. A row may
+nest at most MAX_JSON_DEPTH (64) levels and hold no NUL character (docs/security.md).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any, BinaryIO
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+from app.core.input_limits import MAX_JSON_DEPTH, NUL_MESSAGE, json_problem, worth_walking
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LINE_BYTES = 16 * 1024 * 1024
 MAX_REPORTED = 5
+TOO_DEEP = f"the row is nested more than {MAX_JSON_DEPTH} levels deep"
 
 
 @dataclass
@@ -148,6 +152,19 @@ def check_row(row: Any, declared_tools: set[str]) -> None:
         check_tools(row["tools"], declared_tools)
 
 
+def _json_problem(raw: bytes, row: Any) -> tuple[str, str] | None:
+    """(code, message) for a row nested too deep or with a NUL in a string (which PostgreSQL's
+    JSONB cannot hold: the row's rollouts could never be stored), else None."""
+    walk, nul = worth_walking(raw)
+    problem = json_problem(row, nul=nul) if walk else None
+    if problem is None:
+        return None
+    kind, where = problem
+    if kind == "too_deep":
+        return "too_deep", TOO_DEEP
+    return "invalid_value", f"{where or 'the row'} {NUL_MESSAGE}"
+
+
 def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:
     report = FileReport()
     line_no = 0
@@ -170,6 +187,12 @@ def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:
             continue
         except json.JSONDecodeError as exc:
             report.add(line_no, "invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except RecursionError:  # deeper than the parser recurses (about 1,000 levels)
+            report.add(line_no, "too_deep", TOO_DEEP)
+            continue
+        if (problem := _json_problem(raw, row)) is not None:
+            report.add(line_no, *problem)
             continue
         try:
             check_row(row, declared_tools)

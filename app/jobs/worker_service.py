@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from app.auth.models import Project
 from app.core.config import Settings
+from app.core.crypto import secret_box
 from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request
 from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
@@ -23,6 +24,7 @@ from app.jobs import service as jobs
 from app.jobs import step_metrics
 from app.jobs.models import Checkpoint, Job, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
+from app.jobs.tool_headers import open_headers
 from app.jobs.worker_schemas import (
     CheckpointPush,
     CheckpointResult,
@@ -66,7 +68,8 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
               took_over=lambda previous: _note_takeover(session, job, previous, worker_id))
     return ClaimResponse(lease_id=job.lease_id, lease_expires_at=unix(job.lease_expires_at), job=ClaimedJob(
         id=job.id, project_id=job.project_id, project_name=_project_name(session, job), model=job.model,
-        training_file=job.training_file, validation_file=job.validation_file, method=job.method, seed=job.seed,
+        training_file=job.training_file, validation_file=job.validation_file,
+        method=open_headers(job.method, secret_box(settings)), seed=job.seed,
         suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
         resolved_hyperparameters=job.resolved_hyperparameters,
     ))

@@ -21,10 +21,12 @@ class WebhookEndpoint(Base):
     name: Mapped[str] = mapped_column(String(256))
     url: Mapped[str] = mapped_column(Text)
     event_types: Mapped[list[str]] = mapped_column(JSONType)
-    # Stored as given (the control plane must sign with it), shown only at creation and rotation.
-    signing_secret: Mapped[str] = mapped_column(String(128))
+    # Sealed (app/core/crypto.py: the control plane signs with it, so it is encrypted, not hashed),
+    # shown only at creation and rotation; the hint is what every read shows of it.
+    signing_secret: Mapped[str] = mapped_column(Text)
+    signing_secret_hint: Mapped[str] = mapped_column(String(64))
     # After a rotation with keep_old_secret_active_for_24_hours, deliveries carry both signatures.
-    previous_signing_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    previous_signing_secret: Mapped[str | None] = mapped_column(Text, nullable=True)
     previous_secret_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # Set when the endpoint answered 410 Gone, kept failing, or was disabled by its owner.
     disabled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

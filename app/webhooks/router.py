@@ -62,12 +62,12 @@ def delete_endpoint(webhook_endpoint_id: str, principal: CurrentKey, session: Se
 
 
 @router.post("/webhook_endpoints/{webhook_endpoint_id}/rotate_secret", response_model=EndpointWithSecret)
-def rotate_secret(webhook_endpoint_id: str, principal: CurrentKey, session: SessionDep,
+def rotate_secret(webhook_endpoint_id: str, principal: CurrentKey, session: SessionDep, settings: SettingsDep,
                   body: RotateSecret | None = None) -> EndpointWithSecret:
     """A new signing secret, shown this once; with `keep_old_secret_active_for_24_hours` deliveries
     are signed with both secrets for 24 hours."""
-    return service.rotate_secret(session=session, project_id=principal.project_id, endpoint_id=webhook_endpoint_id,
-                                 body=body or RotateSecret())
+    return service.rotate_secret(session=session, settings=settings, project_id=principal.project_id,
+                                 endpoint_id=webhook_endpoint_id, body=body or RotateSecret())
 
 
 @router.post("/webhook_endpoints/{webhook_endpoint_id}/test", response_model=EndpointTestResult)

@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
+from app.core.crypto import secret_box
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, conflict, not_found
 from app.core.ids import new_id
@@ -60,14 +61,21 @@ def _aware(ts: datetime | None) -> datetime | None:
 def _endpoint_object(ep: WebhookEndpoint) -> EndpointObject:
     return EndpointObject(
         id=ep.id, name=ep.name, url=ep.url, event_types=list(ep.event_types),
-        signing_secret_hint=secret_hint(ep.signing_secret), created_at=unix(ep.created_at),
+        signing_secret_hint=ep.signing_secret_hint, created_at=unix(ep.created_at),
         updated_at=unix(ep.updated_at), status="disabled" if ep.disabled_at else "enabled",
         disabled_reason=ep.disabled_reason, disabled_at=unix(ep.disabled_at),
     )
 
 
-def _with_secret(ep: WebhookEndpoint) -> EndpointWithSecret:
-    return EndpointWithSecret(**_endpoint_object(ep).model_dump(), signing_secret=ep.signing_secret)
+def _with_secret(ep: WebhookEndpoint, secret: str) -> EndpointWithSecret:
+    return EndpointWithSecret(**_endpoint_object(ep).model_dump(), signing_secret=secret)
+
+
+def _set_new_secret(ep: WebhookEndpoint, settings: Settings) -> str:
+    """A new signing secret for `ep`, stored sealed with its hint; returns it in plain text, to show once."""
+    secret = new_secret()
+    ep.signing_secret, ep.signing_secret_hint = secret_box(settings).seal(secret), secret_hint(secret)
+    return secret
 
 
 def _guard(url: str, settings: Settings) -> None:
@@ -90,10 +98,11 @@ def create_endpoint(*, session: Session, settings: Settings, project_id: str,
     _guard(body.url, settings)
     now = utcnow()
     ep = WebhookEndpoint(id=new_id("we_"), project_id=project_id, name=body.name, url=body.url,
-                         event_types=body.event_types, signing_secret=new_secret(), created_at=now, updated_at=now)
+                         event_types=body.event_types, created_at=now, updated_at=now)
+    secret = _set_new_secret(ep, settings)
     session.add(ep)
     session.flush()
-    return _with_secret(ep)
+    return _with_secret(ep, secret)
 
 
 def list_endpoints(*, session: Session, project_id: str, after: str | None, limit: int) -> ListPage[EndpointObject]:
@@ -146,25 +155,27 @@ def delete_endpoint(*, session: Session, project_id: str, endpoint_id: str) -> D
     return DeletedEndpoint(id=endpoint_id)
 
 
-def rotate_secret(*, session: Session, project_id: str, endpoint_id: str, body: RotateSecret) -> EndpointWithSecret:
+def rotate_secret(*, session: Session, settings: Settings, project_id: str, endpoint_id: str,
+                  body: RotateSecret) -> EndpointWithSecret:
     ep = _endpoint_row(session, project_id, endpoint_id, lock=True)
     now = utcnow()
-    if body.keep_old_secret_active_for_24_hours:
+    if body.keep_old_secret_active_for_24_hours:  # the old secret moves over still sealed
         ep.previous_signing_secret, ep.previous_secret_expires_at = ep.signing_secret, now + OLD_SECRET_GRACE
     else:
         ep.previous_signing_secret = ep.previous_secret_expires_at = None
-    ep.signing_secret = new_secret()
+    secret = _set_new_secret(ep, settings)
     ep.updated_at = now
-    return _with_secret(ep)
+    return _with_secret(ep, secret)
 
 
-def signing_secrets(ep: WebhookEndpoint, now: datetime) -> list[str]:
-    """The current secret and, during a rotation window, the previous one."""
+def signing_secrets(ep: WebhookEndpoint, now: datetime, settings: Settings) -> list[str]:
+    """The current secret and, during a rotation window, the previous one, in plain text to sign with."""
     live = [ep.signing_secret]
     expires = _aware(ep.previous_secret_expires_at)
     if ep.previous_signing_secret and expires is not None and expires > now:
         live.append(ep.previous_signing_secret)
-    return live
+    box = secret_box(settings)
+    return [box.open(secret) for secret in live]
 
 
 def event_types() -> EventTypeList:
@@ -179,7 +190,7 @@ def test_endpoint(*, session: Session, settings: Settings, project_id: str, endp
     ep = _endpoint_row(session, project_id, endpoint_id)
     now = utcnow()
     payload = event_body(new_id("evt_"), body.event_type, unix(now), {"id": "ftjob-test"})
-    headers = signed_headers(new_id("wh_"), payload, signing_secrets(ep, now), now=now)
+    headers = signed_headers(new_id("wh_"), payload, signing_secrets(ep, now, settings), now=now)
     result = asyncio.run(send_attempt(ep.url, headers, payload, allowlist=settings.outbound_allowlist,
                                       timeout_s=settings.webhook_timeout_s))
     if result.status_code is None:
@@ -331,7 +342,7 @@ def claim_delivery(*, session: Session, settings: Settings, delivery_id: str,
                                attempt_number=delivery.attempt_count, worker_id=body.worker_id, started_at=now,
                                outcome="in_flight"))
     payload = session.scalar(select(WebhookEvent.payload).where(WebhookEvent.id == delivery.event_id))
-    headers = signed_headers(delivery.id, payload, signing_secrets(ep, now), now=now)
+    headers = signed_headers(delivery.id, payload, signing_secrets(ep, now, settings), now=now)
     return DeliveryClaimResponse(action="send", attempt=DeliveryClaim(
         delivery_id=delivery.id, claim_id=delivery.claim_id, attempt_number=delivery.attempt_count, url=ep.url,
         headers=headers, body=payload, timeout_s=settings.webhook_timeout_s))

@@ -504,6 +504,9 @@ def comparison_rows(before: dict[str, Any], after: dict[str, Any]) -> list[tuple
     tools = sorted({*before["summary"].get("tool_calls_per_rollout_by_tool", {}),
                     *after["summary"].get("tool_calls_per_rollout_by_tool", {})})
     rows += [(f"  {tool}", *both(number(("summary", "tool_calls_per_rollout_by_tool", tool), ".2f"))) for tool in tools]
+    # Requests the tool-result cache saved (read-only tools with `cache`). The demo's tools keep it
+    # off: its grader counts each trace_id's calls at the tool server, per-trace state a cache would hide.
+    rows += [("tool calls from cache", *both(number(("summary", "tool_calls_saved"), ".0f")))]
     rows += [("tokens per rollout", *both(number(("summary", "completion_tokens_per_rollout"), ".1f"))),
              ("seconds per rollout", *both(number(("summary", "wall_time_s_mean"), ".2f")))]
     return rows

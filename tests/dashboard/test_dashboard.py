@@ -238,7 +238,7 @@ def test_chart_specs_draw_the_trainers_metric_keys():
     from workers.rl.summary import summarize
 
     call = ToolCallRecord(call_id="c1", name="search", arguments="{}", status="ok", status_code=200,
-                          latency_s=0.1, bytes=3, error=None)
+                          latency_s=0.1, bytes=3, error=None, concurrency=16)  # as the tool client records it
     tools = flatten_metrics({"tools": summarize([RolloutRecord(trace_id="t", sample_index=0, messages=[],
                                                                tool_calls=[call])])})
     trainer = (APP_DIR.parents[1] / "workers" / "rl" / "step_report.py").read_text()
@@ -341,6 +341,8 @@ def test_transcript_shows_turns_tool_calls_grades_and_the_trace_id(client, proje
     assert page.status_code == 200
     html = page.text
     assert '<code id="trace-id">trace_s1_r0</code>' in html
+    from app.core.tracing import w3c_trace_id  # the traceparent its requests carried (issue 19)
+    assert f"traceparent: 00-{w3c_trace_id('trace_s1_r0')}-&lt;span id&gt;-01" in html
     assert html.count('class="msg tool-call') == 2 and "assistant · turn 3" in html
     assert html.index("<strong class=\"tool-name\">search") < html.index("<strong class=\"tool-name\">cat")
     assert "output truncated" in html and "12 ms" in html and "result 0" in html

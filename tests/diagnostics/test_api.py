@@ -55,12 +55,13 @@ def queued_diagnostic(api: Api, rows: int = 3, **overrides: Any) -> dict[str, An
 def test_create_validate_and_send_to_the_workers(api, settings, redis_client):
     file_id = api.upload_ok(question_rows(5))
     created = api.post(BASE, json=diagnostic_body(file_id, runs_per_sample=4, max_samples=3, seed=11,
-                                                  metadata={"team": "finance"}))
+                                                  metadata={"team": "finance"}, non_read_only_tools="dry_run"))
     assert created.status_code == 200, created.text
     diag = created.json()
     assert diag["object"] == "fine_tuning.diagnostic" and diag["id"].startswith("diag-")
     assert diag["status"] == "validating_files" and diag["runs_per_sample"] == 4 and diag["max_samples"] == 3
     assert diag["seed"] == 11 and diag["metadata"] == {"team": "finance"} and diag["fine_tuning_job_id"] is None
+    assert diag["non_read_only_tools"] == "dry_run"
     # Tool headers are masked, as on a job.
     assert diag["method"]["reinforcement"]["tools"][0]["headers"]["Authorization"] == "****3456"
     queued = wait_for(lambda: (d := api.get(f"{BASE}/{diag['id']}").json())["status"] == "queued" and d)
@@ -127,7 +128,7 @@ def test_a_worker_runs_it_and_the_control_plane_judges(api, worker):
     assert claimed.status_code == 200, claimed.text
     worker.lease_id = claimed.json()["lease_id"]
     spec = claimed.json()["diagnostic"]
-    assert spec["runs_per_sample"] == 2 and spec["done_samples"] == []
+    assert spec["runs_per_sample"] == 2 and spec["done_samples"] == [] and spec["non_read_only_tools"] == "call"
     assert spec["method"]["reinforcement"]["tools"][0]["headers"]["Authorization"].endswith("abcdef123456")
     assert api.get(f"{BASE}/{diag['id']}").json()["status"] == "running"
     assert worker.leased("POST", f"/diagnostics/{diag['id']}/heartbeat").json()["action"] == "continue"
@@ -207,7 +208,7 @@ def test_a_jobs_diagnostic_is_created_once_and_recorded(api, worker, settings):
                                                                             "drop_zero_signal": True}}})
     job = api.post("/v1/fine_tuning/jobs", json=body).json()
     assert job["method"]["reinforcement"]["x_open_model"]["diagnostic"] == {
-        "runs_per_sample": 2, "max_samples": None, "drop_zero_signal": True}
+        "runs_per_sample": 2, "max_samples": None, "non_read_only_tools": "call", "drop_zero_signal": True}
     wait_for(lambda: api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued")
     assert worker.claim(job["id"]).status_code == 200
     first = worker.leased("POST", f"/jobs/{job['id']}/diagnostic").json()

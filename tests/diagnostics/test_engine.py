@@ -93,8 +93,14 @@ def test_every_sample_runs_k_times_in_chunks_and_is_graded(tokenizer):
     assert [s["signal"] for s in result["samples"]] == ["always_0", "always_1", "mixed"]
     assert result["samples"][0]["tool_calls"] == [{"cat": 1, "search": 2}] * 2
     tools = result["summary"]["load_projection"][0]["tools"]
-    assert tools["search"] == {"calls_per_rollout": 2.0, "calls_per_step": 24.0, "max_simultaneous_per_rollout": 2,
-                               "peak_concurrency": 16, "peak_concurrency_uncapped": 24}
+    formula = ("calls_per_rollout", "calls_per_step", "max_simultaneous_per_rollout", "peak_concurrency",
+               "peak_concurrency_uncapped")
+    assert {k: tools["search"][k] for k in formula} == {
+        "calls_per_rollout": 2.0, "calls_per_step": 24.0, "max_simultaneous_per_rollout": 2, "peak_concurrency": 16,
+        "peak_concurrency_uncapped": 24}
+    wall = sum(r["wall_time_s"] for r in records) / len(records)  # measured: requests/s follow the real rollouts
+    assert tools["search"]["requests_per_s"] == pytest.approx(24.0 / wall)
+    assert tools["search"]["rate_limit"] is None and tools["search"]["throttled"] is False
     assert tools["cat"]["calls_per_step"] == 12 and tools["cat"]["peak_concurrency"] == 12
 
 

@@ -109,6 +109,46 @@ def test_load_projection_formula():
     assert search["max_simultaneous_per_rollout"] == 2
     assert search["peak_concurrency_uncapped"] == 64 and search["peak_concurrency"] == 16
     assert one["tools"]["cat"] == {"calls_per_rollout": 0.5, "calls_per_step": 16, "max_simultaneous_per_rollout": 1,
-                                   "peak_concurrency": 16, "peak_concurrency_uncapped": 32}
+                                   "peak_concurrency": 16, "peak_concurrency_uncapped": 32, "max_concurrency": 16,
+                                   "requests_per_s": 32.0, "rate_limit": None, "throttled": False,
+                                   "step_tool_seconds_at_limit": None, "step_seconds_unthrottled": 0.5,
+                                   "cache_hit_rate": 0.0, "calls_saved_per_step": 0.0, "endpoint_calls_per_step": 16}
     assert half["tools"]["cat"]["peak_concurrency"] == 16 and half["tools"]["search"]["calls_per_step"] == 24
     assert project_load(data, None) == []
+
+
+def test_the_load_projection_counts_the_calls_the_cache_saves():
+    """Issue 19: 1 of the 4 search calls came from the tool-result cache: 48 calls a step, 12 saved."""
+    data = [rollout(0, 0, 1.0, calls=[("search", "ok", 1), ("search", "ok", 2)])["data"],
+            rollout(0, 1, 0.0, calls=[("search", "ok", 1), ("search", "ok", 2)])["data"]]
+    data[1]["tool_calls"][0]["cached"] = True
+    basis = {"tool_max_concurrency": 16, "settings": [
+        {"compute_multiplier": 1.0, "batch_size": 6, "group_size": 4, "configured": True}]}
+    search = project_load(data, basis)[0]["tools"]["search"]
+    assert search["calls_per_step"] == 48 and search["cache_hit_rate"] == 0.25
+    assert search["calls_saved_per_step"] == 12 and search["endpoint_calls_per_step"] == 36
+
+
+def test_the_verdict_warns_when_training_would_exceed_a_tools_rate_limit():
+    """Issue 19: 32 rollouts a step × 1.5 search calls in a 0.5 s rollout ≈ 96 requests/s against a
+    rate_limit of 20/s: the step would queue for 48 / 20 = 2.4 s of search calls."""
+    rows = []
+    for run in range(2):
+        rows += [rollout(0, run, float(run), calls=[("search", "ok", 1), ("search", "ok", 2), ("cat", "ok", 3)]),
+                 rollout(1, run, float(run), calls=[("search", "ok", 1)])]
+    basis = {"tool_max_concurrency": 16, "tool_limits": {"search": {"rate_limit": 20, "max_concurrency": 4}},
+             "settings": [{"compute_multiplier": 1.0, "batch_size": 8, "group_size": 4, "configured": True}]}
+    result = build_result(rows, runs_per_sample=2, load_basis=basis)
+    search = result["summary"]["load_projection"][0]["tools"]["search"]
+    assert search["requests_per_s"] == pytest.approx(96.0) and search["throttled"]
+    assert search["step_tool_seconds_at_limit"] == pytest.approx(2.4)
+    assert search["peak_concurrency"] == 4 and search["max_concurrency"] == 4  # the tool's own cap
+    assert not result["summary"]["load_projection"][0]["tools"]["cat"]["throttled"]  # no limit of its own
+    verdict = result["verdict"]
+    assert verdict["level"] == "warning"  # every sample has signal: only the load warns
+    (note,) = [n for n in verdict["notes"] if "throttled" in n]
+    assert "'search'" in note and "96.0 requests/s" in note and "rate_limit of 20/s" in note and "2.4 s" in note
+
+    basis["tool_limits"]["search"]["rate_limit"] = 500
+    relaxed = build_result(rows, runs_per_sample=2, load_basis=basis)["verdict"]
+    assert relaxed["level"] == "ok" and not any("throttled" in n for n in relaxed["notes"])

@@ -43,8 +43,8 @@ def serve(app: Any) -> Iterator[str]:
 class Scripted:
     """A server that records every POST and answers what the test scripted, in order.
 
-    An answer is (status, body) where body is a dict (sent as JSON) or text; once the script
-    is used up, `default` answers. `delay_s` is waited before answering."""
+    An answer is (status, body) where body is a dict (sent as JSON) or text, or (status, body,
+    headers); once the script is used up, `default` answers. `delay_s` is waited before answering."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -68,7 +68,7 @@ class Scripted:
         arrived = time.monotonic()
         body = await request.body()
         with self.lock:
-            status, answer = self.script.popleft() if self.script else self.default
+            status, answer, *extra = self.script.popleft() if self.script else self.default
             self.requests.append({"path": "/" + path, "headers": dict(request.headers), "body": body, "at": arrived})
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -78,9 +78,10 @@ class Scripted:
         finally:
             with self.lock:
                 self.in_flight -= 1
+        headers = extra[0] if extra else None
         if isinstance(answer, str):
-            return PlainTextResponse(answer, status_code=status)
-        return JSONResponse(answer, status_code=status)
+            return PlainTextResponse(answer, status_code=status, headers=headers)
+        return JSONResponse(answer, status_code=status, headers=headers)
 
     def json_bodies(self) -> list[Any]:
         return [json.loads(r["body"]) for r in self.requests]
@@ -342,6 +343,27 @@ def test_endpoint_receives_sample_item_trace_id_and_headers(judge):
     assert scripted.json_bodies()[1]["trace_id"].startswith("trace_")  # one is made up when none is given
 
 
+def test_endpoint_and_judge_requests_carry_the_rollouts_traceparent(judge):
+    """Every attempt carries `traceparent: 00-<the trace id of the body's trace_id>-<new span>-01`."""
+    import re
+
+    from app.core.tracing import w3c_trace_id
+
+    scripted, base_url = judge
+    trace_id = "trace_" + "ab12" * 8
+    scripted.reset((503, "busy"), (200, {"score": 1.0}))
+    run_grade(endpoint_grader(base_url), "412.5", ctx=context(), trace_id=trace_id)
+    first, second = (r["headers"]["traceparent"] for r in scripted.requests)
+    for header in (first, second):
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", header)
+        assert header.split("-")[1] == w3c_trace_id(trace_id) == "ab12" * 8
+    assert first.split("-")[2] != second.split("-")[2]  # each attempt is its own span
+
+    scripted.reset(completion('{"steps": [], "result": 0.5}'))
+    run_grade(score_grader(), "412.5", ctx=context(base_url), trace_id=trace_id)
+    assert scripted.requests[0]["headers"]["traceparent"].split("-")[1] == "ab12" * 8
+
+
 def test_endpoint_5xx_is_retried_until_it_answers(judge):
     scripted, base_url = judge
     scripted.reset((503, "busy"), (503, "busy"), (200, {"score": 1.0}))
@@ -380,6 +402,61 @@ def test_judge_429_is_retried(judge):
     result = run_grade(score_grader(), "x", ctx=context(base_url))
     assert result.reward == 1 and set_flags(result) == []
     assert len(scripted.requests) == 2
+
+def test_endpoint_429_with_retry_after_waits_as_asked_without_spending_attempts(judge):
+    scripted, base_url = judge
+    scripted.reset((429, "slow down", {"Retry-After": "1"}), (200, {"score": 1.0}))
+    started = time.monotonic()
+    result = run_grade(endpoint_grader(base_url), "x", ctx=context())
+    assert result.reward == 1.0 and set_flags(result) == []
+    gap = scripted.requests[1]["at"] - scripted.requests[0]["at"]
+    assert 0.95 <= gap < 3 and time.monotonic() - started < 5  # the asked second, not a backoff
+
+    # More throttled answers than the endpoint grader's 4 attempts: none of them spends one.
+    # Each Retry-After (an hour) is cut to the context's cap.
+    scripted.reset(*[(429, "slow down", {"Retry-After": "3600"})] * 5, (503, "busy", {"Retry-After": "3600"}),
+                   (200, {"score": 0.5}))
+    started = time.monotonic()
+    result = run_grade(endpoint_grader(base_url), "x", ctx=context(max_retry_after_s=0.2))
+    assert result.reward == 0.5 and set_flags(result) == []
+    assert len(scripted.requests) == 7 and 1.1 <= time.monotonic() - started < 5
+
+
+def test_judge_503_with_an_http_date_retry_after_is_waited_out(judge):
+    from email.utils import formatdate
+
+    scripted, base_url = judge
+    scripted.reset((503, {"error": "overloaded"}, {"Retry-After": formatdate(time.time() + 2, usegmt=True)}),
+                   completion('{"result": 1}'))
+    result = run_grade(score_grader(), "x", ctx=context(base_url))
+    assert result.reward == 1 and set_flags(result) == []
+    gap = scripted.requests[1]["at"] - scripted.requests[0]["at"]
+    assert 0.9 <= gap < 3.5  # the date's second, whole seconds only
+
+
+def test_graders_that_throttle_get_fewer_requests_at_once(judge):
+    """The URL's AIMD limit: a burst of 20 gradings, 8 at once, meets twelve 429s; the limit halves
+    (once per round of requests) and has not grown back to 8 by the end; every grading succeeds."""
+    from app.graders.judges import backpressure_stats
+
+    scripted, base_url = judge
+    scripted.reset(*[(429, "busy", {"Retry-After": "0"})] * 12, default=(200, {"score": 1}), delay_s=0.05)
+    config = GRADER.validate_python(endpoint_grader(base_url))
+    ctx = context(max_concurrency_per_url=8)
+
+    async def twenty_at_once() -> tuple[list[GradeResult], dict[str, Any]]:
+        try:
+            results = await asyncio.gather(*(grade(config, Sample(output_text=str(i)), {}, ctx) for i in range(20)))
+            return results, backpressure_stats(ctx)
+        finally:
+            await close_http_client(ctx)
+
+    results, stats = asyncio.run(twenty_at_once())
+    assert all(r.reward == 1 for r in results)
+    (url_stats,) = stats.values()
+    assert url_stats["throttled"] == 12 and url_stats["max_concurrency"] == 8
+    assert scripted.max_in_flight == 8 and url_stats["concurrency"] < 8  # halved, not yet grown back
+
 
 def test_endpoint_4xx_bad_json_and_missing_score_are_other_errors(judge):
     scripted, base_url = judge

@@ -34,8 +34,8 @@ def select_samples(n_rows: int, max_samples: int | None, seed: int) -> list[int]
     return sorted(random.Random(f"agent-rft/{seed}/diagnostic").sample(range(n_rows), max_samples))
 
 
-def load_basis(training: TrainingOptions, *, n_train: int, seed: int, tool_max_concurrency: int | None
-               ) -> dict[str, Any]:
+def load_basis(training: TrainingOptions, *, n_train: int, seed: int, tool_max_concurrency: int | None,
+               tools: Sequence[Any] = ()) -> dict[str, Any]:
     """Batch and group size per compute_multiplier, exactly as the trainer resolves them for this
     job's method and training-file size: the control plane turns them into the tool-load projection."""
     hyper = training.hyperparameters
@@ -46,7 +46,10 @@ def load_basis(training: TrainingOptions, *, n_train: int, seed: int, tool_max_c
         config, _ = resolve_hyperparameters(at, n_train=n_train, n_valid=0, seed=seed)
         settings.append({"compute_multiplier": multiplier, "batch_size": config.batch_size,
                          "group_size": config.group_size, "configured": multiplier == configured})
-    return {"n_train": n_train, "tool_max_concurrency": tool_max_concurrency, "settings": settings}
+    limits = {t.name: {"rate_limit": t.rate_limit, "max_concurrency": t.max_concurrency} for t in tools
+              if t.rate_limit or t.max_concurrency}
+    return {"n_train": n_train, "tool_max_concurrency": tool_max_concurrency, "settings": settings,
+            "tool_limits": limits}
 
 
 class DiagnosticHooks(Protocol):

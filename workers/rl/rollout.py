@@ -73,6 +73,10 @@ class ToolCallRecord:
     error: str | None
     truncated: bool = False
     turn: int = 0  # the assistant turn that made the call; calls of one turn run concurrently
+    cached: bool = False  # answered from the tool-result cache (no request reached the endpoint)
+    throttled: int = 0  # answers that asked to wait (429/503 with Retry-After), waited out
+    throttle_wait_s: float = 0.0  # seconds the call waited for them
+    concurrency: int | None = None  # the tool's concurrency limit when the call ended (AIMD)
 
 
 @dataclass
@@ -439,15 +443,17 @@ class _Episode:
                               size=0, error=error, truncated=False)
             raise
         self._record_call(call, status=result.status, status_code=result.status_code, latency_s=result.latency_s,
-                          size=result.bytes, error=result.error, truncated=result.truncated)
+                          size=result.bytes, error=result.error, truncated=result.truncated,
+                          cached=getattr(result, "cached", False), backpressure=_backpressure_of(result))
         return result
 
     def _record_call(self, call: Any, *, status: str, status_code: int | None, latency_s: float, size: int,
-                     error: str | None, truncated: bool) -> None:
+                     error: str | None, truncated: bool, cached: bool = False,
+                     backpressure: dict[str, Any] | None = None) -> None:
         self.record.tool_calls.append(ToolCallRecord(
             call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=status,
             status_code=status_code, latency_s=latency_s, bytes=size, error=error, truncated=truncated,
-            turn=self.record.turns,
+            turn=self.record.turns, cached=cached, **(backpressure or {}),
         ))
 
     def _extend_with(self, before: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> bool:
@@ -459,6 +465,15 @@ class _Episode:
         self._append(ids, sampled=False)
         self.record.tool_output_tokens += len(ids)
         return True
+
+
+def _backpressure_of(result: Any) -> dict[str, Any]:
+    """A call's throttled answers, their waits and the tool's concurrency (workers/rl/tools_client.py);
+    a cached answer made no request, so it waited for nothing."""
+    waited = not getattr(result, "cached", False)
+    return {"throttled": getattr(result, "throttled", 0) if waited else 0,
+            "throttle_wait_s": getattr(result, "throttle_wait_s", 0.0) if waited else 0.0,
+            "concurrency": getattr(result, "concurrency", None)}
 
 
 def dumps_record(record: RolloutRecord) -> str:

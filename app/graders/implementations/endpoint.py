@@ -1,6 +1,7 @@
 """`endpoint`: the customer's own HTTP grader (DESIGN.md §3.3, docs/grader-endpoint.md).
 
-POST {url} with the configured headers and `{"sample", "item", "trace_id"}`; the reply is
+POST {url} with the configured headers, a W3C `traceparent` of the rollout's trace
+(app.core.tracing) and `{"sample", "item", "trace_id"}`; the reply is
 `{"score": <number>}` (`{"reward": <number>}` is accepted too). 5xx, 408, 429, timeouts and
 connection errors are retried 3 times with backoff (app.core.retry); `rate_limit` caps requests
 per second to one URL across every concurrent grading in this process.
@@ -55,7 +56,8 @@ async def grade_endpoint(
     body = {"sample": sample.as_dict(), "item": item, "trace_id": trace_id or new_id("trace_")}
     limiter = rate_limiter(ctx, config.url, config.rate_limit) if config.rate_limit else None
     try:
-        response = await post_json(config.url, body, ctx, headers=config.headers, attempts=ATTEMPTS, limiter=limiter)
+        response = await post_json(config.url, body, ctx, headers=config.headers, attempts=ATTEMPTS, limiter=limiter,
+                                   trace_id=body["trace_id"])
     except BlockedURL as exc:
         raise GraderError("other_error", f"grader endpoint URL not allowed: {exc}") from None
     except Unresponsive as exc:

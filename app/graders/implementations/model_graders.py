@@ -191,12 +191,13 @@ def _check_observation_size(messages: list[dict[str, Any]]) -> None:
         )
 
 
-async def _judge_and_score(config: Any, instructions: str, sample: Sample, item: dict[str, Any], ctx: GraderContext, score) -> GradeResult:  # noqa: ANN001
+async def _judge_and_score(config: Any, instructions: str, sample: Sample, item: dict[str, Any], ctx: GraderContext, score,  # noqa: ANN001
+                           trace_id: str | None = None) -> GradeResult:
     """Ask the judge, then `score(reply, result)`; failures after the answer keep its token usage."""
     messages = judge_messages(config.input, instructions, sample, item)
     _check_observation_size(messages)
     params = sampling_params(getattr(config, "sampling_params", None))
-    reply = await ask_judge(config.model, messages, params, ctx)
+    reply = await ask_judge(config.model, messages, params, ctx, trace_id)
     result = GradeResult(name=config.name, type=config.type, reward=0.0)
     _record_usage(result, reply)
     try:
@@ -220,7 +221,8 @@ async def grade_score_model(
         if config.pass_threshold is not None:
             result.passed = result.reward >= config.pass_threshold
 
-    return await _judge_and_score(config, SCORE_INSTRUCTIONS.format(low=low, high=high), sample, item, ctx, score)
+    return await _judge_and_score(config, SCORE_INSTRUCTIONS.format(low=low, high=high), sample, item, ctx, score,
+                                  trace_id)
 
 
 @implements("label_model")
@@ -235,4 +237,4 @@ async def grade_label_model(
         result.reward = 1.0 if result.passed else 0.0
         result.scores = {"label": label}
 
-    return await _judge_and_score(config, instructions, sample, item, ctx, score)
+    return await _judge_and_score(config, instructions, sample, item, ctx, score, trace_id)

@@ -1,0 +1,85 @@
+"""`agent-rft secrets reencrypt` and `decrypt`: one pass over every stored secret (the tool headers
+in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets).
+
+reencrypt seals each under the newest key of AGENT_RFT_SECRET_KEYS, plain values stored before
+encryption included; a value already under the newest key is left as it is, so a second run
+changes nothing. decrypt writes every value back in plain text, which only a downgrade below
+revision 0007 needs. Rows go in batches, each locked in its own transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.core.crypto import SecretBox, is_sealed
+from app.jobs.tool_headers import open_headers, reseal_headers
+from app.models import Diagnostic, Job, WebhookEndpoint  # every table: their foreign keys resolve
+
+BATCH = 200
+WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
+
+
+@dataclass
+class Rewritten:
+    """How many stored values a pass rewrote."""
+
+    tool_headers: int = 0
+    webhook_secrets: int = 0
+
+
+def _locked_batches(factory: sessionmaker[Session], model: Any) -> Iterator[list[Any]]:
+    """Every row of `model` in primary-key order, BATCH at a time; what the caller changes in a
+    batch commits before the next one is read."""
+    after = 0
+    while True:
+        with factory.begin() as session:
+            rows = list(session.scalars(select(model).where(model.seq > after).order_by(model.seq)
+                                        .limit(BATCH).with_for_update()))
+            if not rows:
+                return
+            yield rows
+            after = rows[-1].seq
+
+
+def _rewrite_secrets(ep: WebhookEndpoint, rewrite: Callable[[str], str | None]) -> int:
+    changed = 0
+    for column in WEBHOOK_SECRETS:
+        stored = getattr(ep, column)
+        new = rewrite(stored) if stored else None
+        if new is not None:
+            setattr(ep, column, new)
+            changed += 1
+    return changed
+
+
+def _pass(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, int]],
+          secret: Callable[[str], str | None]) -> Rewritten:
+    done = Rewritten()
+    for model in (Job, Diagnostic):
+        for rows in _locked_batches(factory, model):
+            for row in rows:
+                new, changed = method(row.method)
+                if changed:
+                    row.method, done.tool_headers = new, done.tool_headers + changed
+    for endpoints in _locked_batches(factory, WebhookEndpoint):
+        done.webhook_secrets += sum(_rewrite_secrets(ep, secret) for ep in endpoints)
+    return done
+
+
+def reencrypt(factory: sessionmaker[Session], box: SecretBox) -> Rewritten:
+    return _pass(factory, lambda method: reseal_headers(method, box), box.reseal)
+
+
+def _opened(method: dict[str, Any], box: SecretBox) -> tuple[dict[str, Any], int]:
+    sealed = sum(isinstance(value, dict) for tool in (method.get("reinforcement") or {}).get("tools") or []
+                 for value in (tool.get("headers") or {}).values())
+    return (open_headers(method, box), sealed) if sealed else (method, 0)
+
+
+def decrypt(factory: sessionmaker[Session], box: SecretBox) -> Rewritten:
+    return _pass(factory, lambda method: _opened(method, box),
+                 lambda stored: box.open(stored) if is_sealed(stored) else None)
