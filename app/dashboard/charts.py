@@ -1,5 +1,5 @@
 """The job page's charts: which per-step metrics (keys of job_metrics, i.e. the flattened keys of
-the trainer's metrics event, see workers/rl/trainer.py `_step_metrics`) each chart draws.
+the trainer's metrics event, see workers/rl/step_report.py `step_metrics`) each chart draws.
 
 A series is either one key or every key under a prefix (one trace per tool, per grader...);
 the page's script turns these specs into plotly traces, so adding a chart is adding a spec."""
@@ -73,6 +73,10 @@ CHARTS: tuple[Chart, ...] = (
     Chart("tool-concurrency", "Tool concurrency, by tool", "requests in flight (limit)", (
         Series("tool", prefix="tools.tool_concurrency_by_tool."),
     ), help="Halves when a tool throttles, creeps back up to its max_concurrency as calls succeed."),
+    Chart("grader-backpressure", "Throttled grader answers", "per step", (
+        Series("throttled answers", key="graders.throttled"),
+        Series("seconds waiting", key="graders.throttle_wait_s"),
+    ), help="429/503 answers with Retry-After from endpoint graders and judge models, waited out as asked."),
     Chart("episode-failures", "Budget exhausted and parse errors", "share of rollouts", (
         Series("tool budget exhausted", key="tools.budget_exhausted_rate"),
         Series("parse error", key="tools.parse_error_rate"),

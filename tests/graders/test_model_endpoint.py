@@ -458,6 +458,32 @@ def test_graders_that_throttle_get_fewer_requests_at_once(judge):
     assert scripted.max_in_flight == 8 and url_stats["concurrency"] < 8  # halved, not yet grown back
 
 
+def test_a_steps_grader_load_counts_the_throttled_answers_of_that_step_only(judge):
+    """The trainer's `graders` step metrics: throttled answers and waits between two snapshots
+    (one step's grading), the URL's concurrency limit as it stands."""
+    from workers.rl.step_report import GraderLoad
+
+    scripted, base_url = judge
+    config = GRADER.validate_python(endpoint_grader(base_url))
+    ctx = context(max_concurrency_per_url=8)
+
+    async def two_steps() -> list[dict[str, Any]]:
+        try:
+            loads = []
+            for throttled in (3, 0):
+                scripted.reset(*[(429, "busy", {"Retry-After": "0"})] * throttled, default=(200, {"score": 1}))
+                before = GraderLoad.of(ctx)
+                await asyncio.gather(*(grade(config, Sample(output_text=str(i)), {}, ctx) for i in range(4)))
+                loads.append(GraderLoad.of(ctx).since(before))
+            return loads
+        finally:
+            await close_http_client(ctx)
+
+    first, second = asyncio.run(two_steps())
+    assert first["throttled"] == 3 and second["throttled"] == 0 and second["throttle_wait_s"] == 0
+    assert 1 <= first["concurrency"] <= 8
+
+
 def test_endpoint_4xx_bad_json_and_missing_score_are_other_errors(judge):
     scripted, base_url = judge
     scripted.reset((400, {"detail": "item.reference_answer is required"}), (200, "<html>oops</html>"),

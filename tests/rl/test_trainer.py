@@ -302,7 +302,8 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     assert not (tmp_path / "checkpoints" / "step-1").exists()  # the hook asked for its deletion
 
     metrics = hooks.metrics[0]
-    assert set(metrics) == {"step", "total_steps", "scores", "usage", "errors", "timing", "tools", "train"}
+    assert set(metrics) == {"step", "total_steps", "scores", "usage", "errors", "timing", "tools", "graders", "train"}
+    assert metrics["graders"] == {"throttled": 0, "throttle_wait_s": 0.0, "concurrency": None}  # no grader URL
     assert (metrics["step"], metrics["total_steps"]) == (1, 2)
     assert set(metrics["scores"]) >= {"train_reward_mean", "valid_reward_mean", "train_sub_rewards"}
     assert set(metrics["scores"]["train_sub_rewards"]) == {"said", "answered"}

@@ -25,6 +25,29 @@ class SamplingCost:
         return cls(dict(engine.generation_timings), engine.prefill_tokens)
 
 
+@dataclass
+class GraderLoad:
+    """The graders' outbound backpressure (endpoint graders and remote judges, all URLs
+    together): answers that asked to wait, seconds waited, the lowest concurrency limit now."""
+
+    throttled: int
+    throttle_wait_s: float
+    concurrency: int | None
+
+    @classmethod
+    def of(cls, ctx: Any) -> GraderLoad:
+        from app.graders.judges import backpressure_stats
+
+        urls = backpressure_stats(ctx).values()
+        return cls(int(sum(u["throttled"] for u in urls)), float(sum(u["throttle_wait_s"] for u in urls)),
+                   min((int(u["concurrency"]) for u in urls), default=None))
+
+    def since(self, earlier: GraderLoad) -> dict[str, Any]:
+        """This step's share: the counts since `earlier`, the limit as it is now."""
+        return {"throttled": self.throttled - earlier.throttled,
+                "throttle_wait_s": self.throttle_wait_s - earlier.throttle_wait_s, "concurrency": self.concurrency}
+
+
 class StepClock:
     """Wall-clock seconds of a step's phases, each lap from the end of the previous one."""
 
@@ -57,7 +80,8 @@ def step_breakdown(timing: dict[str, float], generation: dict[str, float], updat
 
 def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], stats: UpdateStats, n_used: int,
                  zero_spread_groups: int, n_groups: int, timing: dict[str, dict[str, float]],
-                 sampling: SamplingCost, valid: dict[str, Any] | None, learning_rate: float) -> dict[str, Any]:
+                 sampling: SamplingCost, valid: dict[str, Any] | None, learning_rate: float,
+                 graders: dict[str, Any] | None = None) -> dict[str, Any]:
     records = [g.record for g in graded]
     scores: dict[str, Any] = {"train_reward_mean": mean_or_none([g.reward for g in graded if g.reward is not None])}
     if sub := sub_reward_means(graded):
@@ -79,6 +103,7 @@ def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], st
                    "parse_errors": sum(r.parse_errors for r in records)},
         "timing": timing,
         "tools": summarize(records),
+        "graders": graders or {},
         "train": {"loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm,
                   "logprob_mismatch": stats.logprob_mismatch, "clip_fraction": stats.clip_fraction,
                   "learning_rate": learning_rate,

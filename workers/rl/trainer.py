@@ -37,7 +37,7 @@ from workers.rl.hyperparameters import TrainingConfig, total_steps_for
 from workers.rl.models import LoadedModel, save_model_dir, training_mode
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import RolloutEngine
-from workers.rl.step_report import SamplingCost, StepClock, step_metrics
+from workers.rl.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
 from workers.rl.training_state import TrainingProgress, load_training_state, save_training_state
 from workers.rl.update import (
     Collated,
@@ -234,8 +234,10 @@ class Trainer:
         records = await self.engine.run(specs)
         clock.lap("sampling")
         sampling = SamplingCost.of(self.engine)  # before eval runs the engine again
+        grader_load = GraderLoad.of(self.grader_ctx)
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         clock.lap("grading")
+        graders = GraderLoad.of(self.grader_ctx).since(grader_load)
         self._check_failure_rates(step, graded)
         sequences, zero_spread_groups = train_sequences(graded, c.group_size, c.loss)
         stats = await asyncio.to_thread(self._update, sequences)
@@ -245,7 +247,7 @@ class Trainer:
         metrics = step_metrics(step=step, total_steps=self.total_steps, graded=graded, stats=stats,
                                n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=len(rows),
                                timing=clock.report(sampling, stats), sampling=sampling, valid=valid,
-                               learning_rate=self.optimizer.param_groups[0]["lr"])
+                               learning_rate=self.optimizer.param_groups[0]["lr"], graders=graders)
         await self._warn_about_exclusions(step, graded)
         await self.hooks.on_step(step, metrics, [g.report() for g in graded])
         if valid is not None:
