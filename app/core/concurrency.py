@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,13 @@ class Slot:
     """One request's hold on the limit: the decrease epoch it started in."""
 
     epoch: int
+
+
+@dataclass
+class Hold:
+    """A request in progress under the limit; set `throttled` when its answer was a throttled one."""
+
+    throttled: bool = False
 
 
 class AdaptiveLimit:
@@ -51,6 +61,16 @@ class AdaptiveLimit:
                 raise
         self.in_flight += 1
         return Slot(self._epoch)
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[Hold]:
+        """acquire, then release however the block ends (a cancelled request too, as no sign of
+        throttling), saying whether the block marked its answer throttled."""
+        slot, hold = await self.acquire(), Hold()
+        try:
+            yield hold
+        finally:
+            self.release(slot, throttled=hold.throttled)
 
     def release(self, slot: Slot, *, throttled: bool = False) -> None:
         """Give the slot back, saying whether its answer was a throttled one. Synchronous, so that
@@ -82,3 +102,28 @@ class AdaptiveLimit:
         if self._successes >= self.limit and self.limit < self.max_limit:
             self.limit += 1
             self._successes = 0
+
+
+@dataclass
+class Backpressure:
+    """One endpoint's adaptive concurrency and what its throttling cost so far: the answers that
+    asked to wait (429/503 with Retry-After, app.core.retry) and the seconds waited for them."""
+
+    limit: AdaptiveLimit
+    throttled: int = 0
+    throttle_wait_s: float = 0.0
+
+    @classmethod
+    def up_to(cls, max_concurrency: int) -> Backpressure:
+        return cls(AdaptiveLimit(max_concurrency))
+
+    def count(self, statistics: Mapping[str, Any]) -> tuple[int, float]:
+        """Add one call's throttled answers and waits (its retry policy's statistics); return them."""
+        throttled, waited = statistics.get("throttled", 0), statistics.get("throttle_wait_s", 0.0)
+        self.throttled += throttled
+        self.throttle_wait_s += waited
+        return throttled, waited
+
+    def stats(self) -> dict[str, float]:
+        return {"throttled": self.throttled, "throttle_wait_s": self.throttle_wait_s,
+                "concurrency": self.limit.limit, "max_concurrency": self.limit.max_limit}

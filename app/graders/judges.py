@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from tenacity import RetryCallState, retry_if_exception_type
 
-from app.core.concurrency import AdaptiveLimit
+from app.core.concurrency import Backpressure
 from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_status, throttle_wait_s
 from app.core.tracing import traceparent
 from app.core.urls import BlockedURL, guard_url, guarded_client
@@ -81,43 +81,18 @@ async def close_http_client(ctx: GraderContext) -> None:
         await client.aclose()
 
 
-@dataclass
-class _Backpressure:
-    """One URL's adaptive concurrency and what its throttling cost, on this loop."""
-
-    limit: AdaptiveLimit
-    throttled: int = 0  # answers that asked to wait (429/503 with Retry-After)
-    throttle_wait_s: float = 0.0
-
-
-def _backpressure(ctx: GraderContext, url: str) -> _Backpressure:
+def _backpressure(ctx: GraderContext, url: str) -> Backpressure:
+    """One URL's adaptive concurrency and throttling account, shared by every grading on this loop."""
     per_url = loop_state(ctx).setdefault("backpressure", {})
     if url not in per_url:
-        per_url[url] = _Backpressure(AdaptiveLimit(ctx.max_concurrency_per_url))
+        per_url[url] = Backpressure.up_to(ctx.max_concurrency_per_url)
     return per_url[url]
-
-
-def adaptive_limit(ctx: GraderContext, url: str) -> AdaptiveLimit:
-    """The AIMD concurrency limit of one grader URL, shared by every grading on this loop."""
-    return _backpressure(ctx, url).limit
 
 
 def backpressure_stats(ctx: GraderContext) -> dict[str, dict[str, float]]:
     """Per URL called from this loop: throttled answers, seconds waited for them, the current
     concurrency limit and its ceiling."""
-    return {url: {"throttled": b.throttled, "throttle_wait_s": b.throttle_wait_s, "concurrency": b.limit.limit,
-                  "max_concurrency": b.limit.max_limit}
-            for url, b in loop_state(ctx).get("backpressure", {}).items()}
-
-
-async def _counted(policy: Any, fn: Any, ctx: GraderContext, url: str) -> httpx.Response:
-    """policy(fn), adding the call's throttled answers and waits to the URL's account."""
-    try:
-        return await policy(fn)
-    finally:
-        account = _backpressure(ctx, url)
-        account.throttled += policy.statistics.get("throttled", 0)
-        account.throttle_wait_s += policy.statistics.get("throttle_wait_s", 0.0)
+    return {url: b.stats() for url, b in loop_state(ctx).get("backpressure", {}).items()}
 
 
 async def _check_url(url: str, ctx: GraderContext) -> None:
@@ -161,18 +136,16 @@ async def post_json(
         async with limiter:
             return await _post_once(client, url, body, attempt_headers(), ctx.request_timeout_s)
 
-    adaptive = adaptive_limit(ctx, url)
+    backpressure = _backpressure(ctx, url)
 
     async def limited_attempt() -> httpx.Response:
         # The URL's AIMD concurrency: a throttled answer halves it, successes grow it back.
-        slot, throttled = await adaptive.acquire(), False
-        try:
-            return await attempt()
-        except Unresponsive as exc:
-            throttled = exc.throttled
-            raise
-        finally:
-            adaptive.release(slot, throttled=throttled)
+        async with backpressure.limit.held() as hold:
+            try:
+                return await attempt()
+            except Unresponsive as exc:
+                hold.throttled = exc.throttled
+                raise
 
     def asked_wait(retry_state: RetryCallState) -> float | None:
         exc = retry_state.outcome.exception()  # type: ignore[union-attr]
@@ -184,9 +157,11 @@ async def post_json(
                             retry=retry_if_exception_type(Unresponsive), throttle=asked_wait,
                             throttle_budget_s=ctx.max_throttle_wait_s)
     try:
-        return await _counted(policy, limited_attempt, ctx, url)
+        return await policy(limited_attempt)
     except Unresponsive as exc:
         raise Unresponsive(f"{exc} (after {attempts} attempts)") from None
+    finally:
+        backpressure.count(policy.statistics)
 
 
 # --- judges ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from workers.rl.prompting import (
     ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
 )
 from workers.rl.toolcalls import ToolSchema
+from workers.rl.tools_client import ToolResult
 
 FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
 
@@ -439,21 +440,18 @@ class _Episode:
                                                   item=self.spec.item)
         except asyncio.CancelledError:  # the rollout's deadline: the call is recorded as what it was
             error = f"cancelled: the rollout's deadline of {self.cfg.rollout_timeout_s:g} s passed"
-            self._record_call(call, status="failed", status_code=None, latency_s=time.perf_counter() - started,
-                              size=0, error=error, truncated=False)
+            self._record_call(call, ToolResult(name=call.name, call_id=call.call_id, status="failed", output="",
+                                               latency_s=time.perf_counter() - started, error=error))
             raise
-        self._record_call(call, status=result.status, status_code=result.status_code, latency_s=result.latency_s,
-                          size=result.bytes, error=result.error, truncated=result.truncated,
-                          cached=getattr(result, "cached", False), backpressure=_backpressure_of(result))
+        self._record_call(call, result)
         return result
 
-    def _record_call(self, call: Any, *, status: str, status_code: int | None, latency_s: float, size: int,
-                     error: str | None, truncated: bool, cached: bool = False,
-                     backpressure: dict[str, Any] | None = None) -> None:
+    def _record_call(self, call: Any, result: ToolResult) -> None:
         self.record.tool_calls.append(ToolCallRecord(
-            call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=status,
-            status_code=status_code, latency_s=latency_s, bytes=size, error=error, truncated=truncated,
-            turn=self.record.turns, cached=cached, **(backpressure or {}),
+            call_id=call.call_id, name=call.name, arguments=call.arguments_json, status=result.status,
+            status_code=result.status_code, latency_s=result.latency_s, bytes=result.bytes, error=result.error,
+            truncated=result.truncated, turn=self.record.turns, cached=result.cached, throttled=result.throttled,
+            throttle_wait_s=result.throttle_wait_s, concurrency=result.concurrency,
         ))
 
     def _extend_with(self, before: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> bool:
@@ -465,15 +463,6 @@ class _Episode:
         self._append(ids, sampled=False)
         self.record.tool_output_tokens += len(ids)
         return True
-
-
-def _backpressure_of(result: Any) -> dict[str, Any]:
-    """A call's throttled answers, their waits and the tool's concurrency (workers/rl/tools_client.py);
-    a cached answer made no request, so it waited for nothing."""
-    waited = not getattr(result, "cached", False)
-    return {"throttled": getattr(result, "throttled", 0) if waited else 0,
-            "throttle_wait_s": getattr(result, "throttle_wait_s", 0.0) if waited else 0.0,
-            "concurrency": getattr(result, "concurrency", None)}
 
 
 def dumps_record(record: RolloutRecord) -> str:

@@ -45,7 +45,7 @@ from aiolimiter import AsyncLimiter
 from tenacity import RetryCallState, retry_if_result
 
 from app.core.ids import new_id
-from app.core.concurrency import AdaptiveLimit
+from app.core.concurrency import Backpressure
 from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_error, retryable_status, throttle_wait_s
 from app.core.tracing import idempotency_key, traceparent
 from app.core.urls import BlockedURL, Resolver, guarded_client
@@ -193,9 +193,8 @@ class _Tool:
         # Compressed replies could expand past the size cap before it is checked.
         self.headers["Accept-Encoding"] = "identity"
         self.concurrency = endpoint.max_concurrency or options.max_concurrency
-        self.limit = AdaptiveLimit(self.concurrency)  # halves on throttling, creeps back up on success
-        self.throttled = 0  # answers that asked to wait, over the client's life
-        self.throttle_wait_s = 0.0
+        # Halves on throttling, creeps back up on success; counts the waits over the client's life.
+        self.backpressure = Backpressure.up_to(self.concurrency)
         rate = endpoint.rate_limit or options.rate_limit
         # One request every 1/rate seconds, no initial burst: no second ever holds more than `rate`.
         self.limiter = AsyncLimiter(1, 1 / rate) if rate else None
@@ -303,8 +302,9 @@ class ToolClient:
             hit = cache.get(key)
             if hit is not None:
                 cache.hits += 1
-                return dataclasses.replace(hit, call_id=call_id, cached=True, attempts=0,
-                                           latency_s=time.monotonic() - started)
+                # No request was made: no attempts, and nothing waited for.
+                return dataclasses.replace(hit, call_id=call_id, cached=True, attempts=0, throttled=0,
+                                           throttle_wait_s=0.0, latency_s=time.monotonic() - started)
             in_flight = cache.waiting.get(key)
             if in_flight is None:
                 break
@@ -330,28 +330,20 @@ class ToolClient:
                                 max_s=opts.backoff_max_s, retry=retry_if_result(_is_retryable), before_sleep=log_retry,
                                 throttle=_asked_wait, throttle_budget_s=opts.max_throttle_wait_s)
         attempt = await policy(self._send_once, tool, content)
-        attempt.throttled_answers = policy.statistics.get("throttled", 0)
-        attempt.throttle_wait_s = policy.statistics.get("throttle_wait_s", 0.0)
-        attempt.concurrency = tool.limit.limit
-        tool.throttled += attempt.throttled_answers
-        tool.throttle_wait_s += attempt.throttle_wait_s
+        attempt.throttled_answers, attempt.throttle_wait_s = tool.backpressure.count(policy.statistics)
+        attempt.concurrency = tool.backpressure.limit.limit
         return attempt, policy.statistics["attempt_number"]
 
     def backpressure_stats(self) -> dict[str, dict[str, float]]:
         """Per tool, over this client's life: answers that asked to wait, the seconds waited for
         them, the current concurrency limit and its ceiling."""
-        return {name: {"throttled": tool.throttled, "throttle_wait_s": tool.throttle_wait_s,
-                       "concurrency": tool.limit.limit, "max_concurrency": tool.limit.max_limit}
-                for name, tool in self._tools.items()}
+        return {name: tool.backpressure.stats() for name, tool in self._tools.items()}
 
     async def _send_once(self, tool: _Tool, content: bytes) -> _Attempt:
-        slot = await tool.limit.acquire()
-        attempt: _Attempt | None = None
-        try:
+        async with tool.backpressure.limit.held() as hold:
             attempt = await self._send_in_slot(tool, content)
+            hold.throttled = attempt.throttled
             return attempt
-        finally:  # a cancelled attempt gives its slot back too, as no sign of throttling
-            tool.limit.release(slot, throttled=attempt is not None and attempt.throttled)
 
     async def _send_in_slot(self, tool: _Tool, content: bytes) -> _Attempt:
         if tool.limiter is not None:
