@@ -1,0 +1,130 @@
+"""The decode attention kernel (workers/rl/decode_attention.py): what softmax(q k^T) v computes in
+float64, to float32 rounding in float32 and to one rounding of the output in bfloat16, for the
+shapes decoding hands it (packed query heads, views into a cache with spare room, a left-padding
+mask); a row's result never depends on its batch; and generation decodes on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.rl import decode_attention
+from workers.rl.generation import GenerationRequest, generate_batch
+from workers.rl.models import load_model
+
+
+@pytest.fixture(scope="module")
+def kernel():  # noqa: ANN201
+    module = decode_attention.load()
+    assert module is not None, "the kernel did not build (a C++ compiler and ninja are needed)"
+    return module
+
+
+def cache_like(rows: int, heads: int, length: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Keys or values as the cache holds them: the filled part of a buffer with spare room."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, heads, length + 37, dim, generator=generator).to(dtype)[:, :, :length]
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    scores = torch.einsum("bhgd,bhld->bhgl", query.double(), key.double()) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), value.double())
+
+
+def left_padding(rows: int, length: int) -> torch.Tensor:
+    keep = torch.ones(rows, length, dtype=torch.bool)
+    for row in range(rows):
+        keep[row, : 3 * row] = False  # row r starts 3r columns late, as a shorter context does
+    return keep
+
+
+SHAPES = [  # rows, kv heads, query heads per kv head, length, dim
+    (16, 3, 3, 350, 64),  # SmolLM2-135M's decode step (the vectorised path)
+    (4, 2, 2, 41, 16),  # tiny-smollm2's (the generic path)
+    (3, 1, 7, 130, 64),  # more query heads per KV head than the vectorised path takes
+    (2, 4, 1, 1, 64),  # one key
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("masked", [True, False])
+def test_float32_equals_float64_attention_to_rounding(kernel, shape, masked):
+    rows, heads, group, length, dim = shape
+    query = cache_like(rows, heads, group, dim, torch.float32, 0).contiguous()
+    key, value = (cache_like(rows, heads, length, dim, torch.float32, seed) for seed in (1, 2))
+    keep = left_padding(rows, length) if masked and length > 3 * rows else None
+    got = decode_attention.attend(query, key, value, None if keep is None else keep[:, None, None, :], dim ** -0.5)
+    assert got is not None and got.shape == query.shape
+    assert torch.allclose(got.double(), reference(query, key, value, keep, dim ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_bfloat16_output_is_rounded_once(kernel, shape):
+    """From bf16 inputs the kernel accumulates in float32 and rounds the output once: within half a
+    bf16 step (2^-8 relative) of the exact result. torch's sdpa rounds the probabilities as well."""
+    rows, heads, group, length, dim = shape
+    query = cache_like(rows, heads, group, dim, torch.bfloat16, 0).contiguous()
+    key, value = (cache_like(rows, heads, length, dim, torch.bfloat16, seed) for seed in (1, 2))
+    keep = left_padding(rows, length)
+    got = decode_attention.attend(query, key, value, keep[:, None, None, :], dim ** -0.5)
+    exact = reference(query, key, value, keep, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_a_batch(kernel):
+    rows, heads, group, length, dim = SHAPES[0]
+    query = cache_like(rows, heads, group, dim, torch.bfloat16, 0).contiguous()
+    key, value = (cache_like(rows, heads, length, dim, torch.bfloat16, seed) for seed in (1, 2))
+    mask = left_padding(rows, length)[:, None, None, :]
+    batch = decode_attention.attend(query, key, value, mask, 0.125)
+    for row in (0, 5, 15):
+        one = decode_attention.attend(query[row:row + 1].contiguous(), key[row:row + 1], value[row:row + 1],
+                                      mask[row:row + 1].contiguous(), 0.125)
+        assert torch.equal(one[0], batch[row])
+
+
+def test_a_row_with_nothing_to_attend_gets_zeros_not_nan(kernel):
+    query = torch.randn(2, 1, 3, 64)
+    key, value = torch.randn(2, 1, 8, 64), torch.randn(2, 1, 8, 64)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1] = False
+    out = decode_attention.attend(query, key, value, keep[:, None, None, :], 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and not out.isnan().any()
+
+
+def test_what_the_kernel_does_not_take_is_left_to_sdpa(kernel, monkeypatch):
+    query, key, value = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
+    additive = torch.zeros(1, 1, 1, 4)  # a float mask: another mask form
+    assert decode_attention.attend(query, key, value, additive, 0.25) is None
+    assert decode_attention.attend(query.half(), key.half(), value.half(), None, 0.25) is None
+    assert decode_attention.attend(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None,
+                                   0.25) is None  # keys not contiguous in their last dim
+    monkeypatch.setenv(decode_attention.DISABLE, "0")
+    assert decode_attention.attend(query, key, value, None, 0.25) is None
+
+
+def test_generation_decodes_on_the_kernel_with_sdpa_s_tokens(kernel, monkeypatch):
+    """tiny-smollm2 in float32, rows of different lengths (a mask): every decode step's attention
+    runs on the kernel, and the tokens and log-probs are those of decoding on sdpa."""
+    model = load_model("tiny-smollm2", dtype="float32").model.eval()
+    requests = [GenerationRequest(list(range(100 + 3 * i, 140 + 11 * i)), max_new_tokens=6, seed=i) for i in range(4)]
+    calls = []
+
+    class Spy:
+        def decode_attention(self, *args):  # noqa: ANN002, ANN201
+            calls.append(args[0].shape)
+            return kernel.decode_attention(*args)
+
+    monkeypatch.setattr(decode_attention, "_module", Spy())
+    on_kernel = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers * 5  # 5 decode steps after the prefill's first token, every layer
+    monkeypatch.setenv(decode_attention.DISABLE, "0")
+    on_sdpa = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    for got, want in zip(on_kernel, on_sdpa):
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
