@@ -122,3 +122,27 @@ def test_packed_bf16_linear_layers_sample_the_same_tokens_and_logprobs():
     assert inside == merged_only  # packing changes nothing, bit for bit
     assert sample() == plain  # and everything is put back
     assert not any("forward" in m.__dict__ for m in loaded.model.modules())
+
+
+def test_projections_fed_one_input_share_a_matmul_and_each_still_answers_alone():
+    import pytest
+
+    loaded = load_model("tiny-smollm2", dtype="bfloat16")
+    attention, mlp = loaded.model.model.layers[0].self_attn, loaded.model.model.layers[0].mlp
+    x = torch.randn(3, 5, loaded.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    other = x.flip(0)
+    with torch.inference_mode():
+        expected = {name: torch.nn.functional.linear(x, getattr(attention, name).weight)
+                    for name in ("q_proj", "k_proj", "v_proj")}
+        expected_gate_other = torch.nn.functional.linear(other, mlp.gate_proj.weight)
+        with packed_linear_weights(loaded.model) as packed:
+            if not packed:
+                pytest.skip("no oneDNN bf16 on this CPU: nothing is packed")
+            in_order = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+            v_alone = attention.v_proj(x)  # its output was handed out: computed again
+            gate_other, up_x = mlp.gate_proj(other), mlp.up_proj(x)  # different inputs: no mix-up
+        for name, out in in_order.items():
+            assert torch.equal(out, expected[name]), name
+        assert torch.equal(v_alone, expected["v_proj"])
+        assert torch.equal(gate_other, expected_gate_other)
+        assert torch.equal(up_x, torch.nn.functional.linear(x, mlp.up_proj.weight))

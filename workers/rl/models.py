@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -741,21 +742,29 @@ def packed_linear_weights(model: Any) -> Iterator[int]:
     """Inside the block (inference only), each bfloat16 `nn.Linear` of `model` on a CPU with
     oneDNN runs on a copy of its weight reordered once into oneDNN's blocked layout, where torch's
     linear reorders the weight on every call: decode steps' matmuls read their weights ~1.5x
-    faster, prefills' too (benchmarks/engine); the output is bit-identical (the same kernel). The
-    copies (the weights' size again) are freed on exit, when the layers get their forward back.
-    Yields how many layers were packed; 0 where there is nothing to pack (float32, CUDA, no
-    oneDNN bf16)."""
-    import torch
-
+    faster, prefills' too (benchmarks/engine); the output is bit-identical (the same kernel).
+    Projections that read the same input (a layer's q, k and v; gate and up) share one matmul
+    over their weights stacked (SIBLING_PROJECTIONS): at a decode step's 16 rows a oneDNN call
+    costs about as much in fixed overhead as in reading a small weight, and each output column is
+    the same dot product, so the outputs are bit-identical too. The copies (the weights' size
+    again) are freed on exit, when the layers get their forward back. Yields how many layers were
+    packed; 0 where there is nothing to pack (float32, CUDA, no oneDNN bf16)."""
     layers = _packable_linear_layers(model)
     try:
+        for group in _sibling_groups(model, layers):
+            _PackedSiblings(group)
         for layer in layers:
-            layer.forward = _packed_forward(torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 16),
-                                            None if layer.bias is None else layer.bias.detach())
+            if "forward" not in layer.__dict__:
+                layer.forward = _packed_forward(_pack(layer.weight), _bias(layer))
         yield len(layers)
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
+
+
+# Linear layers a module feeds the same input, in the order it calls them (transformers' Llama
+# family: Llama, Mistral, Qwen2/3, SmolLM, ...); elsewhere each layer is packed alone.
+SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _packable_linear_layers(model: Any) -> list[Any]:
@@ -768,13 +777,65 @@ def _packable_linear_layers(model: Any) -> list[Any]:
             and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16]
 
 
-def _packed_forward(weight: Any, bias: Any) -> Callable[[Any], Any]:
+def _sibling_groups(model: Any, layers: list[Any]) -> list[list[Any]]:
+    """Groups of packable layers that one module feeds the same input (SIBLING_PROJECTIONS),
+    through a LoRA wrapper or not (merged, peft's wrapper calls its base layer with its input)."""
+    packable = {id(layer) for layer in layers}
+    groups = []
+    for module in model.modules():
+        for names in SIBLING_PROJECTIONS:
+            members = [getattr(module, name, None) for name in names]
+            members = [getattr(m, "base_layer", m) for m in members]
+            if all(id(m) in packable for m in members) and len({m.in_features for m in members}) == 1 \
+                    and len({m.bias is None for m in members}) == 1:
+                groups.append(members)
+    return groups
+
+
+class _PackedSiblings:
+    """One matmul for layers fed the same input: the first of them to see an input computes all
+    their outputs (column slices of one result), the others take theirs if they are called with
+    that same tensor, else compute again. Each output is handed out once, then dropped."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        import torch
+
+        self.weight = _pack(torch.cat([layer.weight for layer in layers]))
+        self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        self.sizes = [layer.out_features for layer in layers]
+        self.input: Any = None
+        self.pending: dict[int, Any] = {}
+        for index, layer in enumerate(layers):
+            layer.forward = partial(self.forward, index)
+
+    def forward(self, index: int, x: Any) -> Any:
+        if x is not self.input or index not in self.pending:
+            fused = _packed_linear(x, self.weight, self.bias)
+            self.input, self.pending = x, dict(enumerate(fused.split(self.sizes, dim=-1)))
+        out = self.pending.pop(index)
+        if not self.pending:
+            self.input = None
+        return out
+
+
+def _pack(weight: Any) -> Any:
     import torch
 
-    def forward(x: Any) -> Any:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
-    return forward
+
+def _bias(layer: Any) -> Any:
+    return None if layer.bias is None else layer.bias.detach()
+
+
+def _packed_forward(weight: Any, bias: Any) -> Callable[[Any], Any]:
+    return partial(_packed_linear, weight=weight, bias=bias)
+
+
+def _packed_linear(x: Any, weight: Any, bias: Any) -> Any:
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 @contextmanager
