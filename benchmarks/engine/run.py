@@ -31,7 +31,7 @@ import torch
 import random
 
 from benchmarks.engine import baseline_generation as baseline
-from workers.rl import decode_attention
+from workers.rl import cpu_kernels
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
                                load_model, merged_lora_weights, native_bf16_cpu,
@@ -124,7 +124,7 @@ def memory_bandwidth_gbs(repeats: int) -> float:
     return 2 * source.numel() / statistics.median(times) / 1e9
 
 
-DECODE_PATHS = ("old", "new", "new, sampling weights, sdpa", "new, sampling weights")
+DECODE_PATHS = ("old", "new", "new, sampling weights, no kernels", "new, sampling weights")
 
 
 def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
@@ -172,12 +172,12 @@ def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str,
         old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
         out = baseline.generate_batch(policy, old_batch, pad_token_id=pad, temperature=1.0, timings=timings)
     else:
-        os.environ[decode_attention.DISABLE] = "0" if path.endswith("sdpa") else "1"
+        os.environ[cpu_kernels.DISABLE] = "0" if path.endswith("no kernels") else "1"
         try:
             with sampling_weights(policy) if "sampling weights" in path else contextlib.nullcontext():
                 out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
         finally:
-            os.environ.pop(decode_attention.DISABLE)
+            os.environ.pop(cpu_kernels.DISABLE)
     rates.append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
     return [(o.token_ids, o.logprobs) for o in out]
 

@@ -90,13 +90,13 @@ def test_decoding_rows_of_different_lengths_packs_query_heads_and_matches_plain_
     """models.packed_decode_attention: one-token queries with a padding mask run as one sdpa call
     per layer on [rows, kv heads, query heads per kv head, dim], never on K and V copied per query
     head; the tokens and log-probs are plain sdpa's. (With the decode kernel off: where it is built,
-    the packed queries go to it instead, tests/rl/test_decode_attention.py.)"""
+    the packed queries go to it instead, tests/rl/test_cpu_kernels.py.)"""
     import torch
 
-    from workers.rl import decode_attention
+    from workers.rl import cpu_kernels
     from workers.rl.models import ATTENTION
 
-    monkeypatch.setenv(decode_attention.DISABLE, "0")
+    monkeypatch.setenv(cpu_kernels.DISABLE, "0")
 
     requests = [GenerationRequest(c, max_new_tokens=5, seed=i) for i, c in enumerate(contexts(4))]
     assert model.config._attn_implementation == ATTENTION  # load_model installs it

@@ -327,7 +327,7 @@ def packed_decode_attention(model: Any) -> None:
     (`enable_gqa`) when there is no mask, 3.2 ms per layer on a CPU at 16 rows x 300 tokens against
     0.7 ms packed, and with a padding mask (rows of different lengths, the common case in training)
     copies K and V once per query head (`repeat_kv`), 0.75 ms against 0.26 ms packed at 16 x 350.
-    The packed attention itself runs on our decode kernel where it is built (workers.rl.decode_attention:
+    The packed attention itself runs on our decode kernel where it is built (workers.rl.cpu_kernels:
     each key and value read once, ~2x sdpa's speed), else on sdpa; registering builds the kernel, so
     that the first decode step does not. Registered with transformers' AttentionInterface; prefill
     and training are plain sdpa."""
@@ -336,9 +336,9 @@ def packed_decode_attention(model: Any) -> None:
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
-    from workers.rl import decode_attention
+    from workers.rl import cpu_kernels
 
-    decode_attention.load()
+    cpu_kernels.load()
     AttentionInterface.register(ATTENTION, _sdpa_packing_decode_queries)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
@@ -354,13 +354,13 @@ def _sdpa_packing_decode_queries(module: Any, query: torch.Tensor, key: torch.Te
     one_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
     if not one_mask or query.shape[2] != 1 or groups == 1 or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    from workers.rl import decode_attention
+    from workers.rl import cpu_kernels
 
     batch, heads, _, dim = query.shape
     packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads KV head h // groups
     scale = kwargs.get("scaling") or dim ** -0.5
     plain = not kwargs.get("dropout") and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
-    out = decode_attention.attend(packed, key, value, attention_mask, scale) if plain else None
+    out = cpu_kernels.attend(packed, key, value, attention_mask, scale) if plain else None
     if out is None:
         out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
                                                                scale=scale)
@@ -726,15 +726,53 @@ def _module_of(loaded: LoadedModel | Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights prepared for sampling: LoRA merged, linear layers packed for the CPU's matmul kernel
+# Weights prepared for sampling: LoRA merged, linear layers packed for the CPU's matmul kernel,
+# RMSNorm on our kernel
 
 
 @contextmanager
 def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
     """What the rollout engine samples on: LoRA merged (merged_lora_weights), then every bfloat16
-    linear layer on a CPU packed for oneDNN (packed_linear_weights). Yields the layer counts."""
-    with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed:
-        yield {"merged_lora_layers": merged, "packed_linear_layers": packed}
+    linear layer on a CPU packed for oneDNN (packed_linear_weights), and Llama's RMSNorm in one op
+    (fused_rms_norms). Yields the layer counts."""
+    with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed, \
+            fused_rms_norms(model) as norms:
+        yield {"merged_lora_layers": merged, "packed_linear_layers": packed, "fused_rms_norms": norms}
+
+
+# transformers' RMSNorm classes that compute LlamaRMSNorm's formula (weight * x / rms(x), the
+# weight applied after rounding to the input's dtype); Gemma's (1 + weight) and others are left alone.
+LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+@contextmanager
+def fused_rms_norms(model: Any) -> Iterator[int]:
+    """Inside the block (inference only), each Llama-style RMSNorm of `model` runs as one op on our
+    CPU kernel (workers.rl.cpu_kernels.rms_norm) instead of transformers' eight: ~3 ms of a
+    ~40 ms decode step at 16 rows for SmolLM2-135M (benchmarks/engine). Roundings are torch's; the
+    variance may differ by an ulp, so about one bfloat16 value in 10^5 differs by one step. Inputs
+    it does not take (CUDA, another dtype) run the module's own forward. Yields how many norms."""
+    from workers.rl import cpu_kernels
+
+    norms = [module for module in model.modules()
+             if type(module).__name__ in LLAMA_RMS_NORMS and "forward" not in module.__dict__]
+    if not norms or cpu_kernels.load() is None:
+        yield 0
+        return
+    try:
+        for norm in norms:
+            norm.forward = partial(_fused_rms_norm, norm)
+        yield len(norms)
+    finally:
+        for norm in norms:
+            norm.__dict__.pop("forward", None)
+
+
+def _fused_rms_norm(norm: Any, x: Any) -> Any:
+    from workers.rl import cpu_kernels
+
+    out = cpu_kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+    return type(norm).forward(norm, x) if out is None else out
 
 
 @contextmanager

@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "convert.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,13 +26,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using agent_rft::to_float;
 
 // exp(x) for x <= 0 in float32 (softmax after subtracting the max): 2^n * p(r), r in [-ln2/2, ln2/2],
 // a degree-6 polynomial (Cephes' expf coefficients), relative error ~1e-7. Written so that the
@@ -254,8 +250,4 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
     attend<float>(query, key, value, keep, scale, out);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "attention of one-token queries over a KV cache");
 }

@@ -1,21 +1,26 @@
-"""The decode attention kernel (workers/rl/decode_attention.py): what softmax(q k^T) v computes in
-float64, to float32 rounding in float32 and to one rounding of the output in bfloat16, for the
-shapes decoding hands it (packed query heads, views into a cache with spare room, a left-padding
-mask); a row's result never depends on its batch; and generation decodes on it."""
+"""Our CPU kernels (workers/rl/cpu_kernels.py).
+
+Decode attention: what softmax(q k^T) v computes in float64, to float32 rounding in float32 and to
+one rounding of the output in bfloat16, for the shapes decoding hands it (packed query heads,
+views into a cache with spare room, a left-padding mask); a row's result never depends on its
+batch; and generation decodes on it.
+
+RMSNorm: transformers' LlamaRMSNorm, bit for bit in float32 and all but ~1e-5 of the values in
+bfloat16; sampling (models.fused_rms_norms) runs every norm on it and puts the modules back."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.rl import decode_attention
+from workers.rl import cpu_kernels
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import load_model
 
 
 @pytest.fixture(scope="module")
 def kernel():  # noqa: ANN201
-    module = decode_attention.load()
+    module = cpu_kernels.load()
     assert module is not None, "the kernel did not build (a C++ compiler and ninja are needed)"
     return module
 
@@ -56,7 +61,7 @@ def test_float32_equals_float64_attention_to_rounding(kernel, shape, masked):
     query = cache_like(rows, heads, group, dim, torch.float32, 0).contiguous()
     key, value = (cache_like(rows, heads, length, dim, torch.float32, seed) for seed in (1, 2))
     keep = left_padding(rows, length) if masked and length > 3 * rows else None
-    got = decode_attention.attend(query, key, value, None if keep is None else keep[:, None, None, :], dim ** -0.5)
+    got = cpu_kernels.attend(query, key, value, None if keep is None else keep[:, None, None, :], dim ** -0.5)
     assert got is not None and got.shape == query.shape
     assert torch.allclose(got.double(), reference(query, key, value, keep, dim ** -0.5), atol=1e-5, rtol=1e-5)
 
@@ -69,7 +74,7 @@ def test_bfloat16_output_is_rounded_once(kernel, shape):
     query = cache_like(rows, heads, group, dim, torch.bfloat16, 0).contiguous()
     key, value = (cache_like(rows, heads, length, dim, torch.bfloat16, seed) for seed in (1, 2))
     keep = left_padding(rows, length)
-    got = decode_attention.attend(query, key, value, keep[:, None, None, :], dim ** -0.5)
+    got = cpu_kernels.attend(query, key, value, keep[:, None, None, :], dim ** -0.5)
     exact = reference(query, key, value, keep, dim ** -0.5)
     assert got.dtype == torch.bfloat16
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
@@ -80,9 +85,9 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_batch(kernel):
     query = cache_like(rows, heads, group, dim, torch.bfloat16, 0).contiguous()
     key, value = (cache_like(rows, heads, length, dim, torch.bfloat16, seed) for seed in (1, 2))
     mask = left_padding(rows, length)[:, None, None, :]
-    batch = decode_attention.attend(query, key, value, mask, 0.125)
+    batch = cpu_kernels.attend(query, key, value, mask, 0.125)
     for row in (0, 5, 15):
-        one = decode_attention.attend(query[row:row + 1].contiguous(), key[row:row + 1], value[row:row + 1],
+        one = cpu_kernels.attend(query[row:row + 1].contiguous(), key[row:row + 1], value[row:row + 1],
                                       mask[row:row + 1].contiguous(), 0.125)
         assert torch.equal(one[0], batch[row])
 
@@ -92,19 +97,19 @@ def test_a_row_with_nothing_to_attend_gets_zeros_not_nan(kernel):
     key, value = torch.randn(2, 1, 8, 64), torch.randn(2, 1, 8, 64)
     keep = torch.ones(2, 8, dtype=torch.bool)
     keep[1] = False
-    out = decode_attention.attend(query, key, value, keep[:, None, None, :], 0.125)
+    out = cpu_kernels.attend(query, key, value, keep[:, None, None, :], 0.125)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and not out.isnan().any()
 
 
 def test_what_the_kernel_does_not_take_is_left_to_sdpa(kernel, monkeypatch):
     query, key, value = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
     additive = torch.zeros(1, 1, 1, 4)  # a float mask: another mask form
-    assert decode_attention.attend(query, key, value, additive, 0.25) is None
-    assert decode_attention.attend(query.half(), key.half(), value.half(), None, 0.25) is None
-    assert decode_attention.attend(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None,
+    assert cpu_kernels.attend(query, key, value, additive, 0.25) is None
+    assert cpu_kernels.attend(query.half(), key.half(), value.half(), None, 0.25) is None
+    assert cpu_kernels.attend(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None,
                                    0.25) is None  # keys not contiguous in their last dim
-    monkeypatch.setenv(decode_attention.DISABLE, "0")
-    assert decode_attention.attend(query, key, value, None, 0.25) is None
+    monkeypatch.setenv(cpu_kernels.DISABLE, "0")
+    assert cpu_kernels.attend(query, key, value, None, 0.25) is None
 
 
 def test_generation_decodes_on_the_kernel_with_sdpa_s_tokens(kernel, monkeypatch):
@@ -119,12 +124,68 @@ def test_generation_decodes_on_the_kernel_with_sdpa_s_tokens(kernel, monkeypatch
             calls.append(args[0].shape)
             return kernel.decode_attention(*args)
 
-    monkeypatch.setattr(decode_attention, "_module", Spy())
+    monkeypatch.setattr(cpu_kernels, "_module", Spy())
     on_kernel = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * 5  # 5 decode steps after the prefill's first token, every layer
-    monkeypatch.setenv(decode_attention.DISABLE, "0")
+    monkeypatch.setenv(cpu_kernels.DISABLE, "0")
     on_sdpa = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
     for got, want in zip(on_kernel, on_sdpa):
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 1, 576), (3, 301, 576), (2, 7, 64)])
+def test_rms_norm_is_transformers_llama_rms_norm(kernel, dtype, shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(shape[1])
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(dtype)
+    with torch.inference_mode():
+        norm.weight.copy_(1 + 0.3 * torch.randn(shape[-1], generator=generator))
+        x = (3 * torch.randn(shape, generator=generator)).to(dtype)
+        want, got = norm(x), cpu_kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    else:  # one bf16 step where the variance's last bit rounds the other way, and rarely
+        differ = got != want
+        assert differ.float().mean() < 1e-4
+        assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-30)[differ].all()
+
+
+def test_rms_norm_declines_what_it_does_not_compute(kernel, monkeypatch):
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    assert cpu_kernels.rms_norm(x.bfloat16(), weight, 1e-5) is None  # torch would promote to float32
+    assert cpu_kernels.rms_norm(x.half(), weight.half(), 1e-5) is None
+    assert cpu_kernels.rms_norm(x, torch.ones(8, requires_grad=True), 1e-5) is None  # training: autograd's
+    monkeypatch.setenv(cpu_kernels.DISABLE, "0")
+    assert cpu_kernels.rms_norm(x, weight, 1e-5) is None
+
+
+def test_sampling_runs_every_norm_on_the_kernel_and_puts_them_back(kernel, monkeypatch):
+    from workers.rl.models import fused_rms_norms
+
+    model = load_model("tiny-smollm2", dtype="float32").model.eval()
+    requests = [GenerationRequest(list(range(100 + 3 * i, 140 + 11 * i)), max_new_tokens=6, seed=i) for i in range(3)]
+    plain = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    calls = []
+
+    class Spy:
+        def rms_norm(self, *args):  # noqa: ANN002, ANN201
+            calls.append(args[0].shape)
+            return kernel.rms_norm(*args)
+
+        def decode_attention(self, *args):  # noqa: ANN002, ANN201
+            return kernel.decode_attention(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    with fused_rms_norms(model) as norms:
+        fused = generate_batch(model, requests, pad_token_id=0, temperature=1.0)
+    assert norms == 2 * model.config.num_hidden_layers + 1
+    assert len(calls) == norms * 6  # the prefill and 5 decode steps, every norm
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    for got, want in zip(fused, plain):
         assert got.token_ids == want.token_ids
         assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4

@@ -1,17 +1,21 @@
-"""Attention of one-token queries (decode steps) on the CPU, by a kernel of our own.
+"""CPU kernels of our own for sampling: decode attention and RMSNorm (`kernels/*.cpp`, one extension).
 
-torch's CPU flash attention runs a decode step's attention as small blocked matmuls with a
-handful of query rows each, and read SmolLM2-135M's KV cache at ~10 GB/s: the attention was a
-fifth to a half of a decode step (benchmarks/engine). `kernels/decode_attention.cpp` reads each
-cached key and value once per (row, KV head), with the KV head's query heads in registers, at
-~20 GB/s on the same machine; float32 accumulation, one rounding of the output (its bfloat16
-results are closer to float32's than sdpa's), and a row's result never depends on the batch it
-runs in.
+- **Decode attention** (`attend`). torch's CPU flash attention runs a decode step's attention as
+  small blocked matmuls with a handful of query rows each, and read SmolLM2-135M's KV cache at
+  ~10 GB/s: the attention was a fifth to a half of a decode step (benchmarks/engine).
+  `kernels/decode_attention.cpp` reads each cached key and value once per (row, KV head), with
+  the KV head's query heads in registers, at ~20 GB/s on the same machine; float32 accumulation,
+  one rounding of the output (its bfloat16 results are closer to float32's than sdpa's), and a
+  row's result never depends on the batch it runs in.
+- **RMSNorm** (`rms_norm`). transformers' LlamaRMSNorm is eight dispatched ops, 61 times a decode
+  step; `kernels/rms_norm.cpp` does it in one pass with torch's roundings (~5 us against ~21 at a
+  decode step's 16 rows).
 
-It is compiled for this machine (`-march=native`) by torch's extension builder on first use
-(~40 s, needs a C++ compiler and ninja; cached per CPU under `TORCH_EXTENSIONS_DIR`, by default
-`~/.cache/torch_extensions`). `python -m workers.rl.decode_attention` builds it ahead (the demo and
-the test script do). Where it cannot be built, decoding uses sdpa, after one warning.
+They are compiled for this machine (`-march=native`) by torch's extension builder on first use
+(~40-60 s, needs a C++ compiler and ninja; cached per CPU under `TORCH_EXTENSIONS_DIR`, by
+default `~/.cache/torch_extensions`). `python -m workers.rl.cpu_kernels` builds them ahead (the
+demo and the test script do). Where they cannot be built, sampling uses torch's ops (sdpa,
+transformers' norm), after one warning; `AGENT_RFT_CPU_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
-NAME = "agent_rft_decode_attention"
+SOURCES = sorted(Path(__file__).with_name("kernels").glob("*.cpp"))
+NAME = "agent_rft_cpu_kernels"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-DISABLE = "AGENT_RFT_DECODE_KERNEL"  # "0": decode on sdpa (benchmarks compare the two)
+DISABLE = "AGENT_RFT_CPU_KERNELS"  # "0": torch's ops instead (benchmarks compare the two)
 
 _lock = threading.Lock()
 _module: Any = None  # the built extension, False where it cannot be built, None before the first try
@@ -63,15 +67,15 @@ def _build() -> Any:
         # knows a leftover torch lock is stale.
         with FileLock(str(directory / "agent-rft.lock"), timeout=600):
             (directory / "lock").unlink(missing_ok=True)
-            return load_extension(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            return load_extension(NAME, [str(source) for source in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(directory), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: sdpa still works
-        log.warning("decode attention kernel not built (%s: %s); decoding uses sdpa", type(exc).__name__, exc)
+        log.warning("CPU kernels not built (%s: %s); sampling uses torch's ops", type(exc).__name__, exc)
         return False
 
 
 def build_directory() -> Path:
-    """Where the kernel is built: per CPU model and instruction set (it is compiled with
+    """Where the kernels are built: per CPU model and instruction set (it is compiled with
     -march=native, so a home directory shared by different machines must not share the binary)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
     return root / f"{NAME}-{_cpu_fingerprint()}"
@@ -112,6 +116,18 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
     return module.decode_attention(query.contiguous(), key, value, keep, float(scale))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' LlamaRMSNorm of x [..., hidden] with weight [hidden] (kernels/rms_norm.cpp);
+    None where the kernel does not apply (not built, not a CPU tensor, another dtype, a weight of
+    another dtype than x, which torch would promote): the caller runs the module's own forward."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
+        return None
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0] or torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    module = load()
+    return None if module is None else module.rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print("decode attention kernel:", "built" if load() is not None else "not available (sdpa is used)")
+    print("CPU kernels:", "built" if load() is not None else "not available (torch's ops are used)")

@@ -1,0 +1,11 @@
+// The extension's Python bindings (workers/rl/cpu_kernels.py builds every file of this folder into one module).
+#include <torch/extension.h>
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const c10::optional<at::Tensor>& keep, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "attention of one-token queries over a KV cache");
+  m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm in one pass");
+}
