@@ -365,32 +365,3 @@ def test_release_freed_memory_returns_what_glibc_keeps_after_a_step() -> None:
     mb = json.loads(result.stdout.strip().splitlines()[-1])
     assert mb["freed"] > mb["before"] + 500  # ~800 MB freed by torch, still resident
     assert mb["released"] == 1 and mb["after"] < mb["before"] + 100
-
-
-REUSE_OF_LARGE_BLOCKS = """
-import json, resource, sys, torch
-from workers.rl.models import keep_freed_memory_for_reuse
-
-if sys.argv[1] == "tuned":
-    keep_freed_memory_for_reuse()
-x = torch.ones(586, 49152)  # the update's [positions, vocabulary] float32 logits, ~115 MB
-(x / 3).sum()  # an op's output, freed
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-(x / 3).sum()  # the next one of that size
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
-"""
-
-
-def test_large_freed_blocks_are_reused_instead_of_faulted_in_again() -> None:
-    """load_model tunes glibc once per process (models.keep_freed_memory_for_reuse): an op whose
-    output is as large as the update's logits then writes into memory already mapped, where by
-    default each such output is fresh pages from the kernel (~28,000 page faults for 115 MB)."""
-    def faults(mode: str) -> int:
-        result = subprocess.run([sys.executable, "-c", REUSE_OF_LARGE_BLOCKS, mode], cwd=REPO, capture_output=True,
-                                text=True, timeout=120, check=True)
-        return json.loads(result.stdout.strip().splitlines()[-1])
-
-    default, tuned = faults("default"), faults("tuned")
-    if default < 1_000:
-        pytest.skip(f"{default} page faults by default: the kernel maps this in huge pages, nothing to spare")
-    assert tuned < 1_000 < 20_000 < default, (default, tuned)  # 115 MB of 4 KB pages is ~28,000

@@ -242,7 +242,6 @@ def load_model(
     else CPU in float32; explicit `device` / `dtype` override. GGUF and tiny models are converted
     into the cache on first use (seconds for tiny, ~30 s for SmolLM2) and loaded from it after."""
     source = resolve_model(name)
-    keep_freed_memory_for_reuse()
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
@@ -395,25 +394,6 @@ def native_bf16_cpu() -> bool:
         return False
 
 
-def keep_freed_memory_for_reuse() -> None:
-    """Have glibc's malloc keep large freed blocks for the next allocation (once per process).
-
-    By default glibc serves a block over its mmap threshold (at most 32 MB) with fresh pages from
-    the kernel and unmaps it on free, so every op that outputs a large tensor (the update's
-    [positions, vocabulary] float32 logits are ~115 MB) page-faults its whole output in: a division
-    of 586 x 49152 floats took 28 ms that way against 9 ms into memory already mapped, and the
-    update's forward+backward ran ~0.85x the time with the thresholds raised (benchmarks/engine).
-    Between steps release_freed_memory still hands what is free back to the OS. No-op off glibc."""
-    global _HEAP_TUNED
-    libc = _libc()
-    if _HEAP_TUNED or not libc:
-        return
-    _HEAP_TUNED = True
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
-    libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GB come from the heap, and are reused
-    libc.mallopt(m_trim_threshold, 1 << 31)  # the heap's free top is returned past 2 GB (or by malloc_trim)
-
-
 def release_freed_memory() -> int:
     """Hand the memory freed since the last call back to the OS (glibc's malloc_trim); returns
     1 if some was released, 0 if none or not on glibc. Sampling and updates allocate buffers of a
@@ -421,12 +401,6 @@ def release_freed_memory() -> int:
     in bfloat16 (oneDNN's reorders) a training process grew by ~2.5 GB per step until the kernel
     killed it (24 GB after 8 steps of SmolLM2). The rollout engine calls this at the end of every
     run and the trainer after every update; it costs milliseconds."""
-    libc = _libc()
-    return int(libc.malloc_trim(0)) if libc else 0
-
-
-def _libc() -> Any:
-    """glibc, or False elsewhere (musl, macOS: their allocators do their own thing)."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -434,14 +408,13 @@ def _libc() -> Any:
 
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC = libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else False
+            _LIBC = libc if hasattr(libc, "malloc_trim") else False
         except OSError:
             _LIBC = False
-    return _LIBC
+    return int(_LIBC.malloc_trim(0)) if _LIBC else 0
 
 
 _LIBC: Any = None
-_HEAP_TUNED = False
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
