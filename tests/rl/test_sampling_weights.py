@@ -6,6 +6,7 @@ log-probs. Afterwards the original weight tensors and forwards are back, bit for
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -141,8 +142,18 @@ def test_projections_fed_one_input_share_a_matmul_and_each_still_answers_alone()
             in_order = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
             v_alone = attention.v_proj(x)  # its output was handed out: computed again
             gate_other, up_x = mlp.gate_proj(other), mlp.up_proj(x)  # different inputs: no mix-up
+            q_x = attention.q_proj(x)  # k's and v's outputs for x now wait in this thread...
+            in_thread = {}
+            worker = threading.Thread(target=lambda: in_thread.update(
+                q=attention.q_proj(other), k=attention.k_proj(other)))  # ...another runs the model meanwhile
+            worker.start()
+            worker.join()
+            k_x = attention.k_proj(x)
         for name, out in in_order.items():
             assert torch.equal(out, expected[name]), name
         assert torch.equal(v_alone, expected["v_proj"])
         assert torch.equal(gate_other, expected_gate_other)
         assert torch.equal(up_x, torch.nn.functional.linear(x, mlp.up_proj.weight))
+        assert torch.equal(q_x, expected["q_proj"]) and torch.equal(k_x, expected["k_proj"])
+        assert torch.equal(in_thread["k"], torch.nn.functional.linear(other, attention.k_proj.weight))
+        assert torch.equal(in_thread["q"], torch.nn.functional.linear(other, attention.q_proj.weight))

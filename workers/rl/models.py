@@ -833,7 +833,8 @@ def _sibling_groups(model: Any, layers: list[Any]) -> list[list[Any]]:
 class _PackedSiblings:
     """One matmul for layers fed the same input: the first of them to see an input computes all
     their outputs (column slices of one result), the others take theirs if they are called with
-    that same tensor, else compute again. Each output is handed out once, then dropped."""
+    that same tensor, else compute again. Each output is handed out once, then dropped. The
+    outputs waiting are per thread, so two threads running the model never take each other's."""
 
     def __init__(self, layers: list[Any]) -> None:
         import torch
@@ -841,18 +842,18 @@ class _PackedSiblings:
         self.weight = _pack(torch.cat([layer.weight for layer in layers]))
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         self.sizes = [layer.out_features for layer in layers]
-        self.input: Any = None
-        self.pending: dict[int, Any] = {}
+        self.waiting = threading.local()  # .input, and .outputs: {layer index: its slice}
         for index, layer in enumerate(layers):
             layer.forward = partial(self.forward, index)
 
     def forward(self, index: int, x: Any) -> Any:
-        if x is not self.input or index not in self.pending:
+        waiting = self.waiting
+        outputs = waiting.outputs if getattr(waiting, "input", None) is x else {}
+        if index not in outputs:
             fused = _packed_linear(x, self.weight, self.bias)
-            self.input, self.pending = x, dict(enumerate(fused.split(self.sizes, dim=-1)))
-        out = self.pending.pop(index)
-        if not self.pending:
-            self.input = None
+            outputs = dict(enumerate(fused.split(self.sizes, dim=-1)))
+        out = outputs.pop(index)
+        waiting.input, waiting.outputs = (x, outputs) if outputs else (None, {})
         return out
 
 
