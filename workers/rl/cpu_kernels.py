@@ -49,9 +49,10 @@ def load() -> Any:
     global _module
     if not enabled():
         return None
-    with _lock:
-        if _module is None:
-            _module = _build()
+    if _module is None:  # the lock only until the first build: every decode step's layers call this
+        with _lock:
+            if _module is None:
+                _module = _build()
     return _module or None
 
 
@@ -67,9 +68,9 @@ def _build() -> Any:
         # knows a leftover torch lock is stale.
         with FileLock(str(directory / "agent-rft.lock"), timeout=600):
             (directory / "lock").unlink(missing_ok=True)
-            return load_extension(NAME, [str(source) for source in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(directory), verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: sdpa still works
+            return load_extension(NAME, [str(source) for source in SOURCES], extra_cflags=FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's ops still work
         log.warning("CPU kernels not built (%s: %s); sampling uses torch's ops", type(exc).__name__, exc)
         return False
 

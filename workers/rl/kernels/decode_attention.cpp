@@ -124,8 +124,9 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 
 // The cache is read from memory (a layer's keys and values are gone from the caches by the next
-// step): fetching rows a few keys ahead keeps loads in flight while the arithmetic runs, and the
-// values are pulled towards L2 during the key pass, ahead of the value pass.
+// step): fetching rows 32 keys ahead (16 measured the same, 8 slower) keeps loads in flight while
+// the arithmetic runs, and the values are pulled towards L2 during the key pass, ahead of the
+// value pass.
 constexpr int64_t kAhead = 32;
 template <_mm_hint Hint, typename T>
 inline void prefetch_row(const T* p) {  // a prefetch never faults: past the cache's end is fine
