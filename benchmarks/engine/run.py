@@ -31,13 +31,14 @@ import torch
 import random
 
 from benchmarks.engine import baseline_generation as baseline
-from workers.rl import cpu_kernels
+from workers.rl import cpu_kernels, lean_decode
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
                                load_model, merged_lora_weights, native_bf16_cpu,
                                sampling_weights)
 from workers.rl.update import TrainSequence, collate, micro_batches, token_logprobs
 
+PARTS = ("head", "numerics", "decode", "update")
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
 MODEL = "SmolLM2-135M-Instruct"
 ROWS, NEW_TOKENS = 16, 48
@@ -124,7 +125,8 @@ def memory_bandwidth_gbs(repeats: int) -> float:
     return 2 * source.numel() / statistics.median(times) / 1e9
 
 
-DECODE_PATHS = ("old", "new", "new, sampling weights, no kernels", "new, sampling weights")
+DECODE_PATHS = ("old", "new", "new, sampling weights, no kernels", "new, sampling weights, no lean step",
+                "new, sampling weights")
 
 
 def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
@@ -132,7 +134,8 @@ def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, An
     prefill is shared): the generator before continuous batching (baseline_generation) with
     transformers' sdpa attention, against DecodeBatch with the packed decode attention
     (models.packed_decode_attention), on the model as it is and on the weights the rollout engine
-    samples on (models.sampling_weights: LoRA merged, linear layers packed for oneDNN), alternating; once with prompts of one length (no mask), once
+    samples on (models.sampling_weights: LoRA merged, linear layers packed for oneDNN, our kernels,
+    the lean decode step; each of the last two left out once), alternating; once with prompts of one length (no mask), once
     with 285-315 tokens (rows padded, a mask, as in training); and the machine's limit, the weights
     read once per decode step."""
     ids = tokenizer.encode(TEXT * 40)
@@ -140,6 +143,7 @@ def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, An
     pad = tokenizer.pad_token_id
     runs: dict[str, dict[str, list[float]]] = {shape: {path: [] for path in DECODE_PATHS} for shape in shapes}
     identical: dict[str, bool] = {}
+    lean_identical: dict[str, bool] = {}
     for _ in range(repeats):
         for shape, lengths in shapes.items():
             batch = [GenerationRequest(context_ids=ids[i: n + i], max_new_tokens=NEW_TOKENS, seed=i)
@@ -148,6 +152,7 @@ def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, An
             for path in DECODE_PATHS:
                 tokens[path] = decode_run(policy, batch, pad, path, runs[shape][path])
             identical[shape] = tokens["old"] == tokens["new"]
+            lean_identical[shape] = tokens["new, sampling weights"] == tokens["new, sampling weights, no lean step"]
     policy.get_base_model().set_attn_implementation(ATTENTION)
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
     bandwidth = memory_bandwidth_gbs(repeats)
@@ -159,9 +164,10 @@ def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, An
             print(f"| {shape} | {path} | {m[path]:.0f} | {m[path] / m['old']:.2f} | {m[path] / limit:.0%} |")
     print(f"limit: {weights / 1e6:.0f} MB of weights per step at {bandwidth:.1f} GB/s (copy, this run) = "
           f"{limit:.0f} tokens/s at batch 16; old and new (unmerged) bf16 tokens identical: {identical} (the "
-          "packed attention rounds differently)\n")
+          "packed attention rounds differently); the lean step's tokens and log-probs the same as the model's "
+          f"forward on the same weights: {lean_identical}\n")
     return {"runs": runs, "medians": medians, "weights_mb": weights / 1e6, "bandwidth_gbs": bandwidth,
-            "limit_tokens_per_s": limit, "identical_old_new": identical}
+            "limit_tokens_per_s": limit, "identical_old_new": identical, "identical_lean_model": lean_identical}
 
 
 def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str, rates: list[float]) -> list[Any]:
@@ -175,6 +181,8 @@ def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str,
         os.environ[cpu_kernels.DISABLE] = "0" if path.endswith("no kernels") else "1"
         try:
             with sampling_weights(policy) if "sampling weights" in path else contextlib.nullcontext():
+                if path.endswith("no lean step"):
+                    lean_decode.register(policy, None)
                 out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
         finally:
             os.environ.pop(cpu_kernels.DISABLE)
@@ -226,14 +234,37 @@ def numerics(policy: Any, tokenizer: Any) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which comparisons, comma-separated (default all: {','.join(PARTS)})")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {', '.join(PARTS)}")
     dtype = "bfloat16" if native_bf16_cpu() or torch.cuda.is_available() else "float32"
     loaded = load_model(MODEL, dtype=dtype)
     policy = as_if_trained(apply_lora(loaded, rank=16, alpha=32).eval())
-    head = loaded.model.get_output_embeddings()
     batch = requests(loaded.tokenizer)
-    prefill_ids = torch.tensor([r.context_ids[:440] for r in batch])
     pad = loaded.tokenizer.pad_token_id
+    out: dict[str, Any] = {"model": MODEL, "dtype": dtype, "rows": ROWS, "new_tokens": NEW_TOKENS,
+                           "repeats": args.repeats, "torch_threads": torch.get_num_threads()}
+    if "head" in parts:
+        out.update(head_comparison(policy, loaded, batch, pad, args.repeats))
+    if "numerics" in parts:
+        out["numerics"] = numerics(policy, loaded.tokenizer)
+    if "decode" in parts:
+        out["decode"] = decode_comparison(policy, loaded.tokenizer, args.repeats)
+    if "update" in parts:
+        out["update"] = update_comparison(policy, pad, args.repeats)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+def head_comparison(policy: Any, loaded: Any, batch: list[GenerationRequest], pad: int, repeats: int
+                    ) -> dict[str, Any]:
+    """Sampling with a contiguous input to the output layer against the hook removed."""
+    head = loaded.model.get_output_embeddings()
+    prefill_ids = torch.tensor([r.context_ids[:440] for r in batch])
 
     def use(path: str) -> None:
         if path == "old" and hasattr(head, HEAD_HOOK):
@@ -245,7 +276,7 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {p: {"generation_s": [], "prefill_s": []} for p in ("old", "new")}
     outputs: dict[str, Any] = {}
     with torch.inference_mode():
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for path in ("old", "new"):
                 use(path)
                 seconds, out = timed(lambda: generate_batch(policy, batch, pad_token_id=pad, temperature=1.0))
@@ -261,8 +292,7 @@ def main() -> None:
     use("new")
     medians = {p: {k: statistics.median(v) for k, v in m.items()} for p, m in times.items()}
     identical = outputs["old"] == outputs["new"]
-    out = {"model": MODEL, "dtype": dtype, "rows": ROWS, "new_tokens": NEW_TOKENS, "repeats": args.repeats,
-           "torch_threads": torch.get_num_threads(), "runs": times, "medians": medians,
+    out = {"runs": times, "medians": medians,
            "ratio_new_over_old": {k: medians["new"][k] / medians["old"][k] for k in medians["new"]},
            "tokens_and_logprobs_identical": identical}
     print("| measure (LoRA SmolLM2, 16 rows) | old | new | new / old |\n|---|---|---|---|")
@@ -271,12 +301,7 @@ def main() -> None:
         print(f"| {label} | {medians['old'][key]:.2f} s | {medians['new'][key]:.2f} s | "
               f"{out['ratio_new_over_old'][key]:.2f} |")
     print(f"tokens and log-probs identical: {identical}\n")
-    out["numerics"] = numerics(policy, loaded.tokenizer)
-    out["decode"] = decode_comparison(policy, loaded.tokenizer, args.repeats)
-    out["update"] = update_comparison(policy, pad, args.repeats)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS}")
+    return out
 
 
 if __name__ == "__main__":

@@ -149,10 +149,11 @@ def test_rms_norm_is_transformers_llama_rms_norm(kernel, dtype, shape):
     assert got.dtype == want.dtype and got.shape == want.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
-    else:  # one bf16 step where the variance's last bit rounds the other way, and rarely
+    else:  # rarely, the variance's last bit rounds the other way: the normalized value is one bf16
+        # step off, and times the weight (rounded again) at most two steps of the output
         differ = got != want
         assert differ.float().mean() < 1e-4
-        assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-30)[differ].all()
+        assert ((got.float() - want.float()).abs() <= want.float().abs() / 64 + 1e-30)[differ].all()
 
 
 def test_rms_norm_declines_what_it_does_not_compute(kernel, monkeypatch):

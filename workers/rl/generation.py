@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from workers.rl import lean_decode
+
 
 @dataclass
 class KVPrefix:
@@ -155,11 +157,15 @@ class DecodeBatch:
         clock = _PhaseClock(self.timings, "decode_s")
         step_input = torch.tensor([[row.next_token] for row in self.rows], device=self.device)
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)], dim=-1)
-        result = self.model(input_ids=step_input, attention_mask=self.mask, position_ids=self.positions,
-                            cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = result.cache
+        lean = lean_decode.decoder_for(self.model)
+        if lean is not None:
+            logits = lean.step(step_input, self.mask, self.positions, self.cache)
+        else:
+            result = self.model(input_ids=step_input, attention_mask=self.mask, position_ids=self.positions,
+                                cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache, logits = result.cache, result.logits[:, -1, :]
         self.positions = self.positions + 1
-        finished = self._sample(result.logits[:, -1, :], first=0)
+        finished = self._sample(logits, first=0)
         clock.switch(None)
         return finished
 

@@ -734,10 +734,19 @@ def _module_of(loaded: LoadedModel | Any) -> Any:
 def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
     """What the rollout engine samples on: LoRA merged (merged_lora_weights), then every bfloat16
     linear layer on a CPU packed for oneDNN (packed_linear_weights), and Llama's RMSNorm in one op
-    (fused_rms_norms). Yields the layer counts."""
+    (fused_rms_norms); decode steps on those, without transformers' modules where the model is one
+    lean_decode takes (workers.rl.lean_decode). Yields the layer counts."""
+    from workers.rl import lean_decode
+
     with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed, \
             fused_rms_norms(model) as norms:
-        yield {"merged_lora_layers": merged, "packed_linear_layers": packed, "fused_rms_norms": norms}
+        decoder = lean_decode.build(model)
+        lean_decode.register(model, decoder)
+        try:
+            yield {"merged_lora_layers": merged, "packed_linear_layers": packed, "fused_rms_norms": norms,
+                   "lean_decode_layers": len(decoder.layers) if decoder else 0}
+        finally:
+            lean_decode.register(model, None)
 
 
 # transformers' RMSNorm classes that compute LlamaRMSNorm's formula (weight * x / rms(x), the
@@ -793,11 +802,40 @@ def packed_linear_weights(model: Any) -> Iterator[int]:
             _PackedSiblings(group)
         for layer in layers:
             if "forward" not in layer.__dict__:
-                layer.forward = _packed_forward(_pack(layer.weight), _bias(layer))
+                packed = PackedWeight(_pack(layer.weight), _bias(layer), [layer.out_features], [layer])
+                layer.forward, layer.__dict__[PACKED] = _packed_forward(packed.weight, packed.bias), packed
         yield len(layers)
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
+            layer.__dict__.pop(PACKED, None)
+
+
+PACKED = "_agent_rft_packed"  # a packed layer's PackedWeight (lean_decode reads it)
+
+
+@dataclass
+class PackedWeight:
+    """A weight reordered for oneDNN: one layer's, or its siblings' stacked (`layers`, each
+    `sizes[i]` output columns of the one matmul, in order)."""
+
+    weight: Any
+    bias: Any
+    sizes: list[int]
+    layers: list[Any]
+
+    def __call__(self, x: Any) -> Any:
+        return _packed_linear(x, self.weight, self.bias)
+
+
+def packed_weight(layer: Any) -> PackedWeight | None:
+    """The packed weight a layer runs on inside packed_linear_weights (through a merged LoRA
+    wrapper, whose forward is its base layer's), else None."""
+    if getattr(layer, "base_layer", None) is not None:
+        if not getattr(layer, "merged", False):
+            return None
+        layer = layer.base_layer
+    return layer.__dict__.get(PACKED)
 
 
 # Linear layers a module feeds the same input, in the order it calls them (transformers' Llama
@@ -839,19 +877,18 @@ class _PackedSiblings:
     def __init__(self, layers: list[Any]) -> None:
         import torch
 
-        self.weight = _pack(torch.cat([layer.weight for layer in layers]))
-        self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        self.sizes = [layer.out_features for layer in layers]
+        bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        self.packed = PackedWeight(_pack(torch.cat([layer.weight for layer in layers])), bias,
+                                   [layer.out_features for layer in layers], layers)
         self.waiting = threading.local()  # .input, and .outputs: {layer index: its slice}
         for index, layer in enumerate(layers):
-            layer.forward = partial(self.forward, index)
+            layer.forward, layer.__dict__[PACKED] = partial(self.forward, index), self.packed
 
     def forward(self, index: int, x: Any) -> Any:
         waiting = self.waiting
         outputs = waiting.outputs if getattr(waiting, "input", None) is x else {}
         if index not in outputs:
-            fused = _packed_linear(x, self.weight, self.bias)
-            outputs = dict(enumerate(fused.split(self.sizes, dim=-1)))
+            outputs = dict(enumerate(self.packed(x).split(self.packed.sizes, dim=-1)))
         out = outputs.pop(index)
         waiting.input, waiting.outputs = (x, outputs) if outputs else (None, {})
         return out
