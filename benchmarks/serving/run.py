@@ -106,12 +106,14 @@ async def serving_round(url: str, clients: int, tokens: int) -> dict[str, float]
 def engine_round(loaded: Any, formatter: Any, clients: int, tokens: int) -> dict[str, float]:
     """The training engine's generation of the same batch: same prompts, seeds and token counts."""
     from workers.rl.generation import GenerationRequest, generate_batch
+    from workers.rl.models import sampling_weights
 
     requests = [GenerationRequest(context_ids=formatter.prompt_ids(prompt(i)), max_new_tokens=tokens, seed=i,
                                   stop_token_ids=formatter.stop_token_ids()) for i in range(clients)]
     pad = loaded.tokenizer.pad_token_id
     started = time.perf_counter()
-    outputs = generate_batch(loaded.model, requests, pad_token_id=pad, temperature=1.0, decode=formatter.decode)
+    with sampling_weights(loaded.model):  # as the rollout engine and the server sample (their preparation timed)
+        outputs = generate_batch(loaded.model, requests, pad_token_id=pad, temperature=1.0, decode=formatter.decode)
     wall = time.perf_counter() - started
     produced = sum(len(o.token_ids) for o in outputs)
     return {"tokens": produced, "wall_s": wall, "tokens_per_s": produced / wall}

@@ -121,7 +121,7 @@ class Scheduler:
         tokenizer = served.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         try:
-            with served.activate() as module:
+            with self.pool.generating(served) as module:
                 outputs = generate_batch(module, requests, pad_token_id=pad, temperature=rows[0].chat.temperature,
                                          top_p=rows[0].chat.top_p, decode=served.formatter.decode, on_token=on_token)
         finally:

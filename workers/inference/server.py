@@ -69,7 +69,8 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         return {"status": "ok", "bases": list(settings.inference_models), "pool": pool.loaded_keys(),
-                "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions}
+                "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions,
+                "preparations": pool.stats.preparations}
 
     @app.post("/internal/v1/chat/completions", response_model=None)
     async def complete(request: Request) -> Response:
