@@ -157,17 +157,33 @@ def decode_comparison(policy: Any, tokenizer: Any, repeats: int) -> dict[str, An
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
     bandwidth = memory_bandwidth_gbs(repeats)
     limit = ROWS * bandwidth * 1e9 / weights
+    cache = {shape: kv_cache_bytes(policy, lengths) for shape, lengths in shapes.items()}
+    with_cache = {shape: ROWS * bandwidth * 1e9 / (weights + cache[shape]) for shape in shapes}
     medians = {shape: {path: statistics.median(v) for path, v in r.items()} for shape, r in runs.items()}
-    print("| decode, batch 16, 48 tokens after | path | tokens/s | vs old | of the bandwidth limit |\n|---|---|---|---|---|")
+    print("| decode, batch 16, 48 tokens after | path | tokens/s | vs old | of the bandwidth limit | "
+          "of the limit with the KV cache |\n|---|---|---|---|---|---|")
     for shape, m in medians.items():
         for path in DECODE_PATHS:
-            print(f"| {shape} | {path} | {m[path]:.0f} | {m[path] / m['old']:.2f} | {m[path] / limit:.0%} |")
+            print(f"| {shape} | {path} | {m[path]:.0f} | {m[path] / m['old']:.2f} | {m[path] / limit:.0%} | "
+                  f"{m[path] / with_cache[shape]:.0%} |")
     print(f"limit: {weights / 1e6:.0f} MB of weights per step at {bandwidth:.1f} GB/s (copy, this run) = "
-          f"{limit:.0f} tokens/s at batch 16; old and new (unmerged) bf16 tokens identical: {identical} (the "
+          f"{limit:.0f} tokens/s at batch 16; with the KV cache each step also reads "
+          f"({', '.join(f'{shape}: {b / 1e6:.0f} MB' for shape, b in cache.items())}): "
+          f"{', '.join(f'{v:.0f}' for v in with_cache.values())} tokens/s; "
+          f"old and new (unmerged) bf16 tokens identical: {identical} (the "
           "packed attention rounds differently); the lean step's tokens and log-probs the same as the model's "
           f"forward on the same weights: {lean_identical}\n")
     return {"runs": runs, "medians": medians, "weights_mb": weights / 1e6, "bandwidth_gbs": bandwidth,
-            "limit_tokens_per_s": limit, "identical_old_new": identical, "identical_lean_model": lean_identical}
+            "limit_tokens_per_s": limit, "kv_cache_mb": {k: v / 1e6 for k, v in cache.items()},
+            "limit_with_kv_cache_tokens_per_s": with_cache, "identical_old_new": identical, "identical_lean_model": lean_identical}
+
+
+def kv_cache_bytes(policy: Any, lengths: list[int]) -> float:
+    """Bytes of KV cache a decode step reads, averaged over the NEW_TOKENS steps after these prompts."""
+    config = policy.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
+    return per_token * sum(n + NEW_TOKENS / 2 for n in lengths)
 
 
 def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str, rates: list[float]) -> list[Any]:

@@ -6,7 +6,9 @@ views into a cache with spare room, a left-padding mask); a row's result never d
 batch; and generation decodes on it.
 
 RMSNorm: transformers' LlamaRMSNorm, bit for bit in float32 and all but ~1e-5 of the values in
-bfloat16; sampling (models.fused_rms_norms) runs every norm on it and puts the modules back."""
+bfloat16; sampling (models.fused_rms_norms) runs every norm on it and puts the modules back.
+
+Rotary: transformers' apply_rotary_pos_emb of a decode step's queries and keys, bit for bit."""
 
 from __future__ import annotations
 
@@ -190,3 +192,24 @@ def test_sampling_runs_every_norm_on_the_kernel_and_puts_them_back(kernel, monke
     for got, want in zip(fused, plain):
         assert got.token_ids == want.token_ids
         assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 16), (4, 4, 32)])
+def test_rotary_is_transformers_rotary_bit_for_bit(kernel, heads, kv_heads, dim):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    rows = 16
+    generator = torch.Generator().manual_seed(dim)
+    qkv = (2 * torch.randn(rows, 1, (heads + 2 * kv_heads) * dim, generator=generator)).bfloat16()
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=dim, rope_theta=100000.0)
+    positions = torch.randint(0, 8000, (rows, 1), generator=generator)
+    cos, sin = LlamaRotaryEmbedding(config)(qkv, positions)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want_q, want_k = apply_rotary_pos_emb(q.view(rows, 1, heads, dim).transpose(1, 2),
+                                          k.view(rows, 1, kv_heads, dim).transpose(1, 2), cos, sin)
+    got_q, got_k = kernel.rotary(qkv, cos, sin, heads, kv_heads)
+    assert got_q.shape == (rows, kv_heads, heads // kv_heads, dim) and got_k.shape == (rows, kv_heads, 1, dim)
+    assert torch.equal(got_q.reshape(rows, heads, 1, dim), want_q) and torch.equal(got_k, want_k)
+    assert not torch.equal(got_k, k.view(rows, 1, kv_heads, dim).transpose(1, 2))  # it did rotate

@@ -6,8 +6,8 @@ plumbing, peft's LoRA wrapper (merged, so only a call through), the sibling proj
 hand-off, a causal mask built anew and a cache update per layer (benchmarks/engine). While
 sampling (models.sampling_weights: LoRA merged, weights packed for oneDNN, our kernels built)
 `LeanDecoder.step` runs the same ops on the same tensors in the same order, called directly:
-embedding, then per layer RMSNorm, one q/k/v matmul, transformers' own rotary function, the
-cache's append, our decode attention, o_proj, the residual, RMSNorm, one gate/up matmul, the
+embedding, then per layer RMSNorm, one q/k/v matmul, the rotary embedding (our kernel, with
+transformers' roundings), the cache's append, our decode attention, o_proj, the residual, RMSNorm, one gate/up matmul, the
 activation times up, down_proj, the residual; the final norm and the output layer. The logits
 are bit-identical to the model's (tests/rl/test_lean_decode.py).
 
@@ -18,7 +18,6 @@ model runs as it is. Prefills run through the model: they are matmul-bound.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,10 +48,10 @@ class _Layer:
 class LeanDecoder:
     """One decode step for every row at once (see the module's docstring)."""
 
-    def __init__(self, base: Any, head: PackedWeight, layers: list[_Layer], rotate: Callable[..., Any]) -> None:
+    def __init__(self, base: Any, head: PackedWeight, layers: list[_Layer]) -> None:
         config = base.config
         self.embed, self.rotary, self.final_norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, head
-        self.layers, self.rotate = layers, rotate
+        self.layers = layers
         self.eps = base.norm.variance_epsilon
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -70,16 +69,14 @@ class LeanDecoder:
         # mask; with no padding transformers passes none (the same as all True in the kernel).
         keep = attention_mask.bool()
         mask = None if bool(keep.all()) else keep[:, None, None, :]
-        sizes = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim
+        kernels, v_start = cpu_kernels.load(), (self.heads + self.kv_heads) * self.head_dim
         for index, layer in enumerate(self.layers):
             residual = hidden
-            q, k, v = layer.qkv(self._norm(hidden, layer.input_norm)).split(sizes, dim=-1)
-            q = q.view(rows, 1, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self.rotate(q, k, cos, sin)
+            qkv = layer.qkv(self._norm(hidden, layer.input_norm))
+            # transformers' rotary, its roundings kept (kernels/rotary.cpp); q packed per KV head
+            packed, k = kernels.rotary(qkv, cos, sin, self.heads, self.kv_heads)
+            v = qkv[..., v_start:].view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
-            packed = q.reshape(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
             attended = cpu_kernels.attend(packed, keys, values, mask, self.scale)
             hidden = residual + layer.o(attended.reshape(rows, 1, self.heads * self.head_dim))
             residual = hidden
@@ -103,7 +100,9 @@ def build(model: Any) -> LeanDecoder | None:
         return None
     if len(base.layers) != base.config.num_hidden_layers or getattr(base.config, "sliding_window", None):
         return None
-    return LeanDecoder(base, head, layers, sys.modules[type(base.layers[0]).__module__].apply_rotary_pos_emb)
+    if next(base.parameters()).dtype != torch.bfloat16:  # what the rotary kernel rounds to
+        return None
+    return LeanDecoder(base, head, layers)
 
 
 def register(model: Any, decoder: LeanDecoder | None) -> None:

@@ -4,8 +4,11 @@
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& keep, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                          int64_t heads, int64_t kv_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of one-token queries over a KV cache");
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm in one pass");
+  m.def("rotary", &rotary, "rotary embedding of a decode step's queries and keys, from the fused q/k/v output");
 }
