@@ -44,3 +44,35 @@ def test_no_lean_decoder_where_its_step_would_not_be_the_models():
     policy.get_base_model().set_attn_implementation("sdpa")  # transformers' own: not our decode attention
     with sampling_weights(policy) as counts:
         assert counts["lean_decode_layers"] == 0 and lean_decode.decoder_for(policy) is None
+
+
+def run_joining_and_leaving(policy) -> dict[int, tuple[list[int], list[float]]]:  # noqa: ANN001
+    """Rows of different lengths and budgets; two more join after three steps; rows leave as they end."""
+    from workers.rl.generation import DecodeBatch
+
+    budgets = [3, 12, 7]
+    first = [(i, GenerationRequest(context_ids=list(range(300, 300 + 4 + 3 * i)), max_new_tokens=n, seed=i))
+             for i, n in enumerate(budgets)]
+    later = [(10 + i, GenerationRequest(context_ids=list(range(400, 420 + 5 * i)), max_new_tokens=6, seed=10 + i))
+             for i in range(2)]
+    batch = DecodeBatch(policy, pad_token_id=0, temperature=1.0)
+    done = dict(batch.add(first))
+    for _ in range(3):
+        done.update(batch.step())
+    done.update(batch.add(later))
+    while len(batch):
+        done.update(batch.step())
+    return {key: (out.token_ids, out.logprobs) for key, out in done.items()}
+
+
+def test_lean_steps_follow_rows_joining_and_leaving_bit_for_bit():
+    _, policy = trained_policy("bfloat16")
+    with sampling_weights(policy):
+        lean = lean_decode.decoder_for(policy)
+        assert lean is not None
+        on_lean = run_joining_and_leaving(policy)
+        lean_decode.register(policy, None)
+        on_model = run_joining_and_leaving(policy)
+    assert sorted(on_lean) == [0, 1, 2, 10, 11]
+    assert [len(on_lean[k][0]) for k in (0, 1, 2, 10, 11)] == [3, 12, 7, 6, 6]
+    assert on_lean == on_model
