@@ -127,14 +127,10 @@ class ModelPool:
         key = (id(served._module), served._adapter)
         if self._prepared is None or self._prepared[0] != key:
             self.unprepare()
-            stack = contextlib.ExitStack()
-            try:
+            with contextlib.ExitStack() as stack:  # closed here only if preparing fails
                 module = stack.enter_context(served.activate())
                 counts = stack.enter_context(sampling_weights(module))
-            except BaseException:
-                stack.close()
-                raise
-            self._prepared = (key, module, stack)
+                self._prepared = (key, module, stack.pop_all())
             self.stats.preparations += 1
             log.debug("prepared %s for generation: %s", served.key, counts)
         yield self._prepared[1]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from workers.rl import cpu_kernels
-from workers.rl.models import LLAMA_RMS_NORMS, PackedWeight, packed_weight
+from workers.rl.models import ATTENTION, LLAMA_RMS_NORMS, PackedWeight, packed_weight
 
 # Decoder layers whose forward is exactly the step below (transformers' Llama; SmolLM2 is one).
 LEAN_LAYERS = ("LlamaDecoderLayer",)
@@ -48,8 +48,9 @@ class _Layer:
 class LeanDecoder:
     """One decode step for every row at once (see the module's docstring)."""
 
-    def __init__(self, base: Any, head: PackedWeight, layers: list[_Layer]) -> None:
+    def __init__(self, base: Any, head: PackedWeight, layers: list[_Layer], kernels: Any) -> None:
         config = base.config
+        self.kernels = kernels  # the built cpu_kernels module
         self.embed, self.rotary, self.final_norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, head
         self.layers = layers
         self.eps = base.norm.variance_epsilon
@@ -69,12 +70,12 @@ class LeanDecoder:
         # mask; with no padding transformers passes none (the same as all True in the kernel).
         keep = attention_mask.bool()
         mask = None if bool(keep.all()) else keep[:, None, None, :]
-        kernels, v_start = cpu_kernels.load(), (self.heads + self.kv_heads) * self.head_dim
+        v_start = (self.heads + self.kv_heads) * self.head_dim
         for index, layer in enumerate(self.layers):
             residual = hidden
             qkv = layer.qkv(self._norm(hidden, layer.input_norm))
             # transformers' rotary, its roundings kept (kernels/rotary.cpp); q packed per KV head
-            packed, k = kernels.rotary(qkv, cos, sin, self.heads, self.kv_heads)
+            packed, k = self.kernels.rotary(qkv, cos, sin, self.heads, self.kv_heads)
             v = qkv[..., v_start:].view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
             attended = cpu_kernels.attend(packed, keys, values, mask, self.scale)
@@ -85,14 +86,14 @@ class LeanDecoder:
         return self.head(self._norm(hidden, self.final_norm.weight))[:, -1, :]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.load().rms_norm(x.contiguous(), weight, self.eps)
+        return self.kernels.rms_norm(x.contiguous(), weight, self.eps)
 
 
 def build(model: Any) -> LeanDecoder | None:
     """A LeanDecoder over `model`'s packed weights, or None where its step would not be the
     model's own (see the module's docstring). Call inside models.sampling_weights."""
-    base = _decoder_stack(model)
-    if base is None or cpu_kernels.load() is None or getattr(base.config, "_attn_implementation", "") != _attention():
+    base, kernels = _decoder_stack(model), cpu_kernels.load()
+    if base is None or kernels is None or getattr(base.config, "_attn_implementation", "") != ATTENTION:
         return None
     head = packed_weight(model.get_output_embeddings())
     layers = [_lean_layer(layer) for layer in base.layers]
@@ -102,7 +103,7 @@ def build(model: Any) -> LeanDecoder | None:
         return None
     if next(base.parameters()).dtype != torch.bfloat16:  # what the rotary kernel rounds to
         return None
-    return LeanDecoder(base, head, layers)
+    return LeanDecoder(base, head, layers, kernels)
 
 
 def register(model: Any, decoder: LeanDecoder | None) -> None:
@@ -116,12 +117,6 @@ def register(model: Any, decoder: LeanDecoder | None) -> None:
 def decoder_for(model: Any) -> LeanDecoder | None:
     """The lean decoder registered for `model` (inside models.sampling_weights), if any."""
     return _decoders.get(model)
-
-
-def _attention() -> str:
-    from workers.rl.models import ATTENTION
-
-    return ATTENTION
 
 
 def _decoder_stack(model: Any) -> Any:

@@ -803,7 +803,7 @@ def packed_linear_weights(model: Any) -> Iterator[int]:
         for layer in layers:
             if "forward" not in layer.__dict__:
                 packed = PackedWeight(_pack(layer.weight), _bias(layer), [layer.out_features], [layer])
-                layer.forward, layer.__dict__[PACKED] = _packed_forward(packed.weight, packed.bias), packed
+                layer.forward, layer.__dict__[PACKED] = packed, packed
         yield len(layers)
     finally:
         for layer in layers:
@@ -902,10 +902,6 @@ def _pack(weight: Any) -> Any:
 
 def _bias(layer: Any) -> Any:
     return None if layer.bias is None else layer.bias.detach()
-
-
-def _packed_forward(weight: Any, bias: Any) -> Callable[[Any], Any]:
-    return partial(_packed_linear, weight=weight, bias=bias)
 
 
 def _packed_linear(x: Any, weight: Any, bias: Any) -> Any:
