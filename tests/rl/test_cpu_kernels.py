@@ -213,3 +213,31 @@ def test_rotary_is_transformers_rotary_bit_for_bit(kernel, heads, kv_heads, dim)
     assert got_q.shape == (rows, kv_heads, heads // kv_heads, dim) and got_k.shape == (rows, kv_heads, 1, dim)
     assert torch.equal(got_q.reshape(rows, heads, 1, dim), want_q) and torch.equal(got_k, want_k)
     assert not torch.equal(got_k, k.view(rows, 1, kv_heads, dim).transpose(1, 2))  # it did rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gradient_is_autograds_through_transformers_norm(kernel, dtype):
+    """The update runs its norms on the kernel too: the input's gradient (the weight is frozen) is
+    autograd's through LlamaRMSNorm's ops, to float32 rounding, and in bfloat16 as close to float64."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(5)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype).requires_grad_(False)
+    norm.weight.copy_(1 + 0.3 * torch.randn(576, generator=generator))
+    x = (3 * torch.randn(3, 41, 576, generator=generator)).to(dtype)
+    grad = torch.randn(3, 41, 576, generator=generator).to(dtype)
+
+    def gradient(forward) -> torch.Tensor:  # noqa: ANN001
+        leaf = x.clone().requires_grad_()
+        forward(leaf).backward(grad)
+        return leaf.grad
+
+    ours = gradient(lambda t: cpu_kernels.rms_norm(t, norm.weight, norm.variance_epsilon))
+    autograd = gradient(norm)
+    exact = gradient(lambda t: norm.weight.double() * t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert ours.dtype == dtype and ours.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, autograd, rtol=1e-5, atol=1e-6)
+    else:
+        error = lambda got: float((got.double() - exact).norm() / exact.norm())  # noqa: E731
+        assert error(ours) <= 1.1 * error(autograd)

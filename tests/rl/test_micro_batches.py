@@ -114,3 +114,19 @@ def test_a_short_shared_prompt_is_fed_with_each_row():
                           [-2.0] * 50, 0.5) for _ in range(4)]
     assert feedable_prefix(rows) == 0 and collate(rows, 0, torch.device("cpu")).prefix_ids is None
     assert feedable_prefix(grouped_sequences()[:1] * 4) > 0
+
+
+def test_a_rows_log_probs_do_not_depend_on_the_padding_after_it():
+    """Rows are right-padded and attention is causal: a row's log-probs in a micro-batch with longer
+    rows are its log-probs alone (float32), so the update needs no padding mask."""
+    policy = apply_lora(load_model("tiny-smollm2", dtype="float32"), rank=4, alpha=8)
+    batch = sequences(5)
+    together = collate(batch, 0, torch.device("cpu"))
+    assert together.prefix_ids is None and (together.attention_mask == 0).any()
+    with torch.no_grad():
+        padded = token_logprobs(policy, together, 1.0)
+        for row, sequence in enumerate(batch):
+            alone = collate([sequence], 0, torch.device("cpu"))
+            want = token_logprobs(policy, alone, 1.0)[0][alone.loss_mask[0]]
+            got = padded[row][together.loss_mask[row]]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

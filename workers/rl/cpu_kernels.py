@@ -1,4 +1,5 @@
-"""CPU kernels of our own for sampling: decode attention and RMSNorm (`kernels/*.cpp`, one extension).
+"""CPU kernels of our own: decode attention, RMSNorm and rotary for sampling; RMSNorm's backward and
+causal attention's softmax backward for the update (`kernels/*.cpp`, one extension).
 
 - **Decode attention** (`attend`). torch's CPU flash attention runs a decode step's attention as
   small blocked matmuls with a handful of query rows each, and read SmolLM2-135M's KV cache at
@@ -9,13 +10,17 @@
   row's result never depends on the batch it runs in.
 - **RMSNorm** (`rms_norm`). transformers' LlamaRMSNorm is eight dispatched ops, 61 times a decode
   step; `kernels/rms_norm.cpp` does it in one pass with torch's roundings (~5 us against ~21 at a
-  decode step's 16 rows).
+  decode step's 16 rows). The update runs its norms on it too, with a backward of one pass per row
+  (`rms_norm_backward`, where autograd ran ~ten ops over float32 copies).
+- **Causal attention's backward** (`causal_softmax_backward`, for workers/rl/training_attention.py):
+  P and dS from the float32 scores in one pass, between the large matmuls that replace torch's
+  flash backward (~5x its forward on the CPU).
 
 They are compiled for this machine (`-march=native`) by torch's extension builder on first use
 (~40-60 s, needs a C++ compiler and ninja; cached per CPU under `TORCH_EXTENSIONS_DIR`, by
 default `~/.cache/torch_extensions`). `python -m workers.rl.cpu_kernels` builds them ahead (the
-demo and the test script do). Where they cannot be built, sampling uses torch's ops (sdpa,
-transformers' norm), after one warning; `AGENT_RFT_CPU_KERNELS=0` turns them off.
+demo and the test script do). Where they cannot be built, sampling and the update use torch's ops (sdpa,
+transformers' norm, flash's backward), after one warning; `AGENT_RFT_CPU_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -120,13 +125,35 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """transformers' LlamaRMSNorm of x [..., hidden] with weight [hidden] (kernels/rms_norm.cpp);
     None where the kernel does not apply (not built, not a CPU tensor, another dtype, a weight of
-    another dtype than x, which torch would promote): the caller runs the module's own forward."""
+    another dtype than x, which torch would promote, a weight being trained): the caller runs the
+    module's own forward. Differentiable in x: where autograd records x, its gradient comes from
+    `rms_norm_backward` (one pass per row, where autograd ran ~ten ops over float32 copies)."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
         return None
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0] or torch.is_grad_enabled() and weight.requires_grad:
         return None
     module = load()
-    return None if module is None else module.rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+    if module is None:
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RMSNorm.apply(x.contiguous(), weight.contiguous(), float(eps))
+    return module.rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """The kernel's norm with its gradient in x (the weight is frozen: LoRA and the update's
+    reference never train a norm; a trained weight takes transformers' own ops)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _module.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        return _module.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
 
 
 if __name__ == "__main__":

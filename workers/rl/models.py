@@ -330,7 +330,8 @@ def packed_decode_attention(model: Any) -> None:
     The packed attention itself runs on our decode kernel where it is built (workers.rl.cpu_kernels:
     each key and value read once, ~2x sdpa's speed), else on sdpa; registering builds the kernel, so
     that the first decode step does not. Registered with transformers' AttentionInterface; prefill
-    and training are plain sdpa."""
+    is plain sdpa, and the update's causal attention workers.rl.training_attention (the flash
+    forward, a backward of large matmuls)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -349,6 +350,12 @@ def _sdpa_packing_decode_queries(module: Any, query: torch.Tensor, key: torch.Te
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from workers.rl import training_attention
+
+    causal = getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
+    if causal and training_attention.applies(query, key, attention_mask, **kwargs):
+        out = training_attention.causal_attention(query, key, value, kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        return out.transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
     # A mask of one row per sequence ([rows, 1, 1, keys]) broadcasts over the packed query heads.
     one_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)

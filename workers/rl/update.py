@@ -21,7 +21,7 @@ from workers.rl.advantages import (
     sequence_normaliser,
 )
 from workers.rl.grading import GradedRollout
-from workers.rl.models import adapters_in_model_dtype, release_freed_memory
+from workers.rl.models import adapters_in_model_dtype, fused_rms_norms, release_freed_memory
 from workers.rl.rollout import RolloutRecord
 
 @dataclass
@@ -231,12 +231,16 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     positions = batch.positions[columns]
     decoder = causal_lm.get_decoder()
-    with adapters_in_model_dtype(model):
+    with adapters_in_model_dtype(model), fused_rms_norms(model):
         prefix = None
         if batch.prefix_ids is not None:  # fed once; every row attends to (and backpropagates into) it
             prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).cache
             prefix.batch_repeat_interleave(batch.input_ids.shape[0])
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, cache=prefix,
+        # Rows are right-padded: under the causal mask alone no token of a row sees its padding, so
+        # without a prefix the padding mask changes no log-prob and no gradient, and attention
+        # runs causal (blocks above the diagonal skipped, K and V not copied per query head).
+        mask = batch.attention_mask if prefix is not None else None
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, cache=prefix,
                          use_cache=prefix is not None).last_hidden_state
         logits = causal_lm.get_output_embeddings()(hidden[rows, positions]).float()
     if temperature > 0 and temperature != 1.0:  # x / 1 is x: spares a [positions, vocabulary] op and its backward

@@ -26,27 +26,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+using agent_rft::exp_nonpositive;
 using agent_rft::to_float;
-
-// exp(x) for x <= 0 in float32 (softmax after subtracting the max): 2^n * p(r), r in [-ln2/2, ln2/2],
-// a degree-6 polynomial (Cephes' expf coefficients), relative error ~1e-7. Written so that the
-// compiler vectorises the loop that calls it (std::exp does not vectorise here).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.3f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // softmax numerators of each query head's scores, in place; returns their sums (0: nothing to attend).
 inline void softmax_numerators(float* scores, int64_t group, int64_t length, float* totals) {
