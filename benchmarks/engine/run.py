@@ -8,7 +8,8 @@ On the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16, LoRA
 - decode tokens/s: the generator before continuous batching against DecodeBatch, on the model and
   on the weights the engine samples on, against the bandwidth limit;
 - the update's forward+backward over 16 sequences shaped like a demo step's (4 prompts x 4
-  rollouts): the old forward in arrival order, sorted by length, the new forward, and shared prompts.
+  rollouts): the old forward in arrival order, sorted by length, the new forward, shared prompts,
+  and the same on our kernels (the norm's backward, causal attention's backward).
 Prints the tables and writes benchmarks/results/engine.json.
 
     .venv/bin/python -m benchmarks.engine.run [--repeats 5]
@@ -90,11 +91,12 @@ def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_le
     return {"seconds": seconds, "tokens_fed": fed, "of_real_tokens": fed / real, "micro_batches": len(groups)}
 
 
-UPDATE_PATHS = {  # label: (sorted by length, shared prompts, the update's forward)
-    "old: arrival order, every position's logits, float32 adapters": (False, False, baseline.token_logprobs),
-    "sorted by length": (True, False, baseline.token_logprobs),
-    "sorted, sampled positions' logits, adapters in bf16": (True, False, token_logprobs),
-    "new: that, and a prompt's rollouts share its forward": (True, True, token_logprobs),
+UPDATE_PATHS = {  # label: (sorted by length, shared prompts, the update's forward, our kernels)
+    "old: arrival order, every position's logits, float32 adapters": (False, False, baseline.token_logprobs, False),
+    "sorted by length": (True, False, baseline.token_logprobs, False),
+    "sorted, sampled positions' logits, adapters in bf16": (True, False, token_logprobs, False),
+    "that, and a prompt's rollouts share its forward": (True, True, token_logprobs, False),
+    "new: that, on our kernels (norm, attention backward)": (True, True, token_logprobs, True),
 }
 
 
@@ -104,8 +106,13 @@ def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
     sequences = step_sequences()
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in UPDATE_PATHS}
     for _ in range(repeats):
-        for label, (by_length, shared, forward) in UPDATE_PATHS.items():
-            runs[label].append(update_round(policy, sequences, pad, by_length=by_length, shared=shared, forward=forward))
+        for label, (by_length, shared, forward, kernels) in UPDATE_PATHS.items():
+            os.environ[cpu_kernels.DISABLE] = "1" if kernels else "0"
+            try:
+                runs[label].append(update_round(policy, sequences, pad, by_length=by_length, shared=shared,
+                                                forward=forward))
+            finally:
+                os.environ.pop(cpu_kernels.DISABLE)
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     old = medians[next(iter(UPDATE_PATHS))]["seconds"]
     print("| update, 16 demo-step sequences | micro-batches | tokens fed / tokens | forward+backward | vs old |")
