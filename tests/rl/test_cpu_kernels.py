@@ -241,3 +241,60 @@ def test_rms_norm_gradient_is_autograds_through_transformers_norm(kernel, dtype)
     else:
         error = lambda got: float((got.double() - exact).norm() / exact.norm())  # noqa: E731
         assert error(ours) <= 1.1 * error(autograd)
+
+
+def rotary_inputs(batch: int, length: int, heads: int, kv_heads: int, dim: int):  # noqa: ANN201
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=4096)
+    generator = torch.Generator().manual_seed(length)
+    q = torch.randn(batch, length, heads * dim, generator=generator).bfloat16()
+    k = torch.randn(batch, length, kv_heads * dim, generator=generator).bfloat16()
+    positions = torch.arange(length)[None] + 5 * torch.arange(batch)[:, None]
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    # as transformers' attention hands them over: transposed views of the projections' outputs
+    return q.view(batch, length, heads, dim).transpose(1, 2), k.view(batch, length, kv_heads, dim).transpose(1, 2), cos, sin
+
+
+@pytest.mark.parametrize("batch, length, heads, kv_heads, dim", [(3, 37, 9, 3, 64), (2, 5, 4, 2, 16)])
+def test_rotary_of_prefills_and_the_update_is_transformers_and_its_gradient_as_close_to_float64(
+        kernel, batch, length, heads, kv_heads, dim):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, cos, sin = rotary_inputs(batch, length, heads, kv_heads, dim)
+    with torch.inference_mode():
+        want, got = apply_rotary_pos_emb(q, k, cos, sin), cpu_kernels.rotary_embedding(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    grads = [torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).bfloat16() for x in (q, k)]
+
+    def gradients(rotate) -> list[torch.Tensor]:  # noqa: ANN001
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k)]
+        torch.autograd.backward(list(rotate(*leaves)), grads)
+        return [leaf.grad for leaf in leaves]
+
+    ours = gradients(lambda a, b: cpu_kernels.rotary_embedding(a, b, cos, sin))
+    autograd = gradients(lambda a, b: apply_rotary_pos_emb(a, b, cos, sin))
+    exact = gradients(lambda a, b: apply_rotary_pos_emb(a.double(), b.double(), cos.double(), sin.double()))
+    for mine, theirs, truth in zip(ours, autograd, exact):
+        error = lambda got: float((got.double() - truth).norm() / truth.norm())  # noqa: E731
+        assert mine.dtype == torch.bfloat16 and error(mine) <= error(theirs)
+
+
+def test_fused_rotary_replaces_transformers_function_while_any_block_is_open(kernel):
+    from transformers.models.llama import modeling_llama
+
+    from workers.rl.models import fused_rotary
+
+    model = load_model("tiny-smollm2", dtype="bfloat16").model
+    original = modeling_llama.apply_rotary_pos_emb
+    with fused_rotary(model) as layers:
+        assert layers == model.config.num_hidden_layers
+        with fused_rotary(model):  # sampling and the update may overlap
+            assert modeling_llama.apply_rotary_pos_emb is not original
+        assert modeling_llama.apply_rotary_pos_emb is not original
+        q, k, cos, sin = rotary_inputs(2, 7, 4, 2, 16)
+        fused = modeling_llama.apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())  # not taken
+        torch.testing.assert_close(fused[0], original(q.float(), k.float(), cos.float(), sin.float())[0])
+    assert modeling_llama.apply_rotary_pos_emb is original

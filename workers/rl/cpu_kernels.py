@@ -156,6 +156,46 @@ class _RMSNorm(torch.autograd.Function):
         return _module.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
 
 
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' apply_rotary_pos_emb of query and key [batch, heads, length, dim] (as transformers
+    hands them over: transposed views of the projections' [batch, length, heads, dim]) with cos and
+    sin [batch, length, dim], bit for bit (kernels/rotary.cpp), differentiable in both; None where
+    the kernel does not apply (not built, not bfloat16 on the CPU, other shapes)."""
+    tensors = (query, key, cos, sin)
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors) or cos.dim() != 3:
+        return None
+    if query.dim() != 4 or key.dim() != 4 or cos.shape != sin.shape or cos.shape[-2:] != query.shape[-2:]:
+        return None
+    module = load()
+    if module is None:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rotated = []
+    for x in (query, key):
+        by_position = x.transpose(1, 2).contiguous()
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = _Rotary.apply(by_position, cos, sin)
+        else:
+            out = module.rotary_positions(by_position, cos, sin)
+        rotated.append(out.transpose(1, 2))
+    return rotated[0], rotated[1]
+
+
+class _Rotary(torch.autograd.Function):
+    """The rotation is linear in x: its gradient is the transposed rotation of the incoming one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _module.rotary_positions(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _module.rotary_positions_backward(grad.contiguous(), cos, sin), None, None
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     print("CPU kernels:", "built" if load() is not None else "not available (torch's ops are used)")

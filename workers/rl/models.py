@@ -740,18 +740,18 @@ def _module_of(loaded: LoadedModel | Any) -> Any:
 @contextmanager
 def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
     """What the rollout engine samples on: LoRA merged (merged_lora_weights), then every bfloat16
-    linear layer on a CPU packed for oneDNN (packed_linear_weights), and Llama's RMSNorm in one op
-    (fused_rms_norms); decode steps on those, without transformers' modules where the model is one
+    linear layer on a CPU packed for oneDNN (packed_linear_weights), Llama's RMSNorm and rotary
+    embedding in one op each (fused_rms_norms, fused_rotary); decode steps on those, without transformers' modules where the model is one
     lean_decode takes (workers.rl.lean_decode). Yields the layer counts."""
     from workers.rl import lean_decode
 
     with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed, \
-            fused_rms_norms(model) as norms:
+            fused_rms_norms(model) as norms, fused_rotary(model) as rotary:
         decoder = lean_decode.build(model)
         lean_decode.register(model, decoder)
         try:
             yield {"merged_lora_layers": merged, "packed_linear_layers": packed, "fused_rms_norms": norms,
-                   "lean_decode_layers": len(decoder.layers) if decoder else 0}
+                   "fused_rotary_layers": rotary, "lean_decode_layers": len(decoder.layers) if decoder else 0}
         finally:
             lean_decode.register(model, None)
 
@@ -789,6 +789,55 @@ def _fused_rms_norm(norm: Any, x: Any) -> Any:
 
     out = cpu_kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
     return type(norm).forward(norm, x) if out is None else out
+
+
+# transformers' decoder layers whose attention calls its module's apply_rotary_pos_emb with
+# transformers' Llama formula (q * cos + rotate_half(q) * sin), the one kernels/rotary.cpp computes.
+LLAMA_ROTARY_LAYERS = ("LlamaDecoderLayer",)
+
+_rotary_lock = threading.Lock()
+_rotary_patched: dict[Any, tuple[Callable[..., Any], int]] = {}  # modeling module: (its function, users)
+
+
+@contextmanager
+def fused_rotary(model: Any) -> Iterator[int]:
+    """Inside the block, the rotary embedding of `model`'s Llama layers runs as one op per
+    projection on our CPU kernel (workers.rl.cpu_kernels.rotary_embedding: bit-identical, and
+    differentiable, so prefills and the update both use it) instead of transformers' ten. transformers
+    calls it as a function of the layer's modeling module, so that function is what is replaced,
+    for every model of the module while any block is open (counted: sampling and the update may
+    overlap in one process); calls the kernel does not take (float32, CUDA) go to transformers'
+    own. Yields how many layers use it."""
+    from workers.rl import cpu_kernels
+
+    layers = [m for m in model.modules() if type(m).__name__ in LLAMA_ROTARY_LAYERS]
+    modules = {importlib.import_module(type(layer).__module__) for layer in layers}
+    if not layers or cpu_kernels.load() is None or not all(hasattr(m, "apply_rotary_pos_emb") for m in modules):
+        yield 0
+        return
+    with _rotary_lock:
+        for module in modules:
+            original, users = _rotary_patched.get(module, (module.apply_rotary_pos_emb, 0))
+            if not users:
+                module.apply_rotary_pos_emb = partial(_fused_rotary, original)
+            _rotary_patched[module] = (original, users + 1)
+    try:
+        yield len(layers)
+    finally:
+        with _rotary_lock:
+            for module in modules:
+                original, users = _rotary_patched.pop(module)
+                if users > 1:
+                    _rotary_patched[module] = (original, users - 1)
+                else:
+                    module.apply_rotary_pos_emb = original
+
+
+def _fused_rotary(original: Callable[..., Any], q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+    from workers.rl import cpu_kernels
+
+    out = cpu_kernels.rotary_embedding(q, k, cos, sin) if unsqueeze_dim == 1 else None
+    return original(q, k, cos, sin, unsqueeze_dim) if out is None else out
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from workers.rl.advantages import (
     sequence_normaliser,
 )
 from workers.rl.grading import GradedRollout
-from workers.rl.models import adapters_in_model_dtype, fused_rms_norms, release_freed_memory
+from workers.rl.models import adapters_in_model_dtype, fused_rms_norms, fused_rotary, release_freed_memory
 from workers.rl.rollout import RolloutRecord
 
 @dataclass
@@ -231,7 +231,7 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     positions = batch.positions[columns]
     decoder = causal_lm.get_decoder()
-    with adapters_in_model_dtype(model), fused_rms_norms(model):
+    with adapters_in_model_dtype(model), fused_rms_norms(model), fused_rotary(model):
         prefix = None
         if batch.prefix_ids is not None:  # fed once; every row attends to (and backpropagates into) it
             prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).cache
