@@ -177,6 +177,9 @@ def main() -> None:
     print(f"\n| measure | old ({BASELINE_REV}) | new | new / old |\n|---|---|---|---|")
     for label, key, unit in rows:
         print(f"| {label} | {old[key]:.2f} {unit} | {new[key]:.2f} {unit} | {new[key] / old[key]:.2f} |")
+    print(f"| prefill tokens of the new side's rollouts, fed as the old engine feeds them (every turn's whole "
+          f"context) and as the new one does | {new['whole_context_tokens']:.0f} | {new['prefill_tokens']:.0f} | "
+          f"{new['prefill_tokens'] / new['whole_context_tokens']:.2f} |")
     print(f"| sampled-token log-prob mismatch | {old['logprob_mismatch']:.4f} | {new['logprob_mismatch']:.4f} | |")
     print(f"| first step's sampled tokens (hash) | {old['first_step_hashes']} | {new['first_step_hashes']} | "
           f"{'same' if old['first_step_hashes'] == new['first_step_hashes'] else 'different'} |")
