@@ -106,3 +106,12 @@ def test_a_bfloat16_update_runs_on_it_as_close_to_float32_as_on_sdpa(monkeypatch
     error = lambda got: float((got - want).norm() / want.norm())  # noqa: E731
     assert error(on_ours) < max(1.5 * error(on_sdpa), 0.02)
     assert float(torch.nn.functional.cosine_similarity(on_ours, want, dim=0)) > 0.99
+
+
+def test_a_score_matrix_past_the_bound_is_left_to_flash(monkeypatch):
+    query, key, _, _ = inputs(2, 4, 2, 8, seed=0)
+    query.requires_grad_()
+    monkeypatch.setattr(training_attention, "MAX_SCORES", 2 * 4 * 8 * 8)
+    assert training_attention.applies(query, key, None)
+    monkeypatch.setattr(training_attention, "MAX_SCORES", 2 * 4 * 8 * 8 - 1)
+    assert not training_attention.applies(query, key, None)

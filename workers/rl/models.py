@@ -741,8 +741,9 @@ def _module_of(loaded: LoadedModel | Any) -> Any:
 def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
     """What the rollout engine samples on: LoRA merged (merged_lora_weights), then every bfloat16
     linear layer on a CPU packed for oneDNN (packed_linear_weights), Llama's RMSNorm and rotary
-    embedding in one op each (fused_rms_norms, fused_rotary); decode steps on those, without transformers' modules where the model is one
-    lean_decode takes (workers.rl.lean_decode). Yields the layer counts."""
+    embedding in one op each (fused_rms_norms, fused_rotary); decode steps on those, without
+    transformers' modules where the model is one lean_decode takes (workers.rl.lean_decode).
+    Yields the layer counts."""
     from workers.rl import lean_decode
 
     with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed, \

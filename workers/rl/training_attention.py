@@ -15,7 +15,7 @@ large matmuls, query heads stacked per KV head (no copies of K and V per query h
 Against float64 its gradients are as close as flash's own (tests/rl/test_training_attention.py).
 It applies where the update calls attention: bfloat16 on the CPU, gradients recorded, causal with
 no mask (the update's rows are right-padded, so the causal mask is the whole mask), queries as
-long as the keys; elsewhere the caller runs sdpa.
+long as the keys, a score matrix within MAX_SCORES; elsewhere the caller runs sdpa.
 """
 
 from __future__ import annotations
@@ -27,11 +27,18 @@ import torch
 from workers.rl import cpu_kernels
 
 
+# The backward holds the whole [batch, heads, queries, keys] score matrix (float32, and three bf16
+# copies: ~10 bytes an entry); past this many entries (~670 MB) it leaves the call to flash, which
+# works in blocks. The default micro-batch (2048 tokens, 9 heads) stays under it at any row length.
+MAX_SCORES = 2**26
+
+
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> bool:
     """Whether `causal_attention` computes this call: see the module's docstring."""
+    batch, heads, length, _ = query.shape
     return (torch.is_grad_enabled() and query.requires_grad and attention_mask is None
             and query.device.type == "cpu" and query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16
-            and query.shape[2] == key.shape[2] > 1 and query.shape[1] % key.shape[1] == 0
+            and length == key.shape[2] > 1 and heads % key.shape[1] == 0 and batch * heads * length * length <= MAX_SCORES
             and not kwargs.get("dropout") and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
             and cpu_kernels.load() is not None)
 

@@ -237,8 +237,8 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
             prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).cache
             prefix.batch_repeat_interleave(batch.input_ids.shape[0])
         # Rows are right-padded: under the causal mask alone no token of a row sees its padding, so
-        # without a prefix the padding mask changes no log-prob and no gradient, and attention
-        # runs causal (blocks above the diagonal skipped, K and V not copied per query head).
+        # without a prefix the padding mask changes no log-prob and no gradient, and attention runs
+        # causal (blocks above the diagonal skipped; in bf16 on a CPU, workers.rl.training_attention).
         mask = batch.attention_mask if prefix is not None else None
         hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, cache=prefix,
                          use_cache=prefix is not None).last_hidden_state
