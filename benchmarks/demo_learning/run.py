@@ -256,11 +256,11 @@ def table(runs: list[dict[str, Any]]) -> str:
 # --- commands -------------------------------------------------------------------------------------
 
 
-def serve_tools(stack: ExitStack, corpus: Path, cache: Path) -> int:
+def serve_tools(stack: ExitStack, corpus: Path, cache: Path, *, suggest_cat: bool = False) -> int:
     from examples.financial_reports.server import create_app
     from tests.conftest import serve_app
 
-    return stack.enter_context(serve_app(create_app(corpus, index_cache_dir=cache)))
+    return stack.enter_context(serve_app(create_app(corpus, index_cache_dir=cache, suggest_cat=suggest_cat)))
 
 
 async def measure_signal(settings: dict[str, Any], port: int, rows: list[dict], k: int) -> dict[str, Any]:
@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-episode-steps", type=int, help="tool calls per rollout")
     parser.add_argument("--max-tokens-per-turn", type=int)
     parser.add_argument("--max-tokens-per-rollout", type=int)
+    parser.add_argument("--search-suggests-cat", action="store_true",
+                        help="search's output ends with the cat call of its top hit, as a <tool_call> block to copy")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = demo_settings()
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             target[key] = value
     with tempfile.TemporaryDirectory(prefix="demo-learning-") as tmp, ExitStack() as stack:
         corpus, train_rows, held_out = build_task(settings, Path(tmp) / "data")
-        port = serve_tools(stack, corpus, Path(tmp) / "index")
+        port = serve_tools(stack, corpus, Path(tmp) / "index", suggest_cat=args.search_suggests_cat)
         print(f"{len(train_rows)} training questions, {len(held_out)} held-out questions", flush=True)
         if args.command == "signal":
             report = asyncio.run(measure_signal(settings, port, train_rows[: args.samples], args.k))

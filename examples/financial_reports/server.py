@@ -247,7 +247,10 @@ def parse_arguments(name: str, arguments: str) -> Any:
         raise ToolError(400, f"bad arguments for {name}: {problems}") from None
 
 
-def run_search(index: SearchIndex, args: SearchArgs) -> str:
+def run_search(index: SearchIndex, args: SearchArgs, *, suggest_cat: bool = False) -> str:
+    """The hits, a line each: path — snippet. With `suggest_cat`, the output ends with the call that
+    reads the top hit whole, as a `<tool_call>` block a model can copy (benchmarks/demo_learning:
+    does a small model then browse?)."""
     hits = index.search(args.query, args.k)
     if not hits:
         return "no documents"
@@ -256,6 +259,9 @@ def run_search(index: SearchIndex, args: SearchArgs) -> str:
         body = text.split("\n", 1)[1] if "\n" in text else text
         snippet = re.sub(r"\s+", " ", body).strip()
         lines.append(f"{path} — {snippet[:SNIPPET_CHARS]}{'…' if len(snippet) > SNIPPET_CHARS else ''}")
+    if suggest_cat:
+        call = {"name": "cat", "arguments": {"path": hits[0][0].split("#")[0]}}
+        lines.append(f"To read the whole report:\n<tool_call>{json.dumps(call)}</tool_call>")
     return "\n".join(lines)
 
 
@@ -300,10 +306,10 @@ def _corpus_path(root: Path, relative: str) -> Path:
 
 
 def create_app(corpus_root: Path, *, index_cache_dir: Path | None = None, token: str | None = None,
-               max_traces: int = MAX_TRACES) -> FastAPI:
+               max_traces: int = MAX_TRACES, suggest_cat: bool = False) -> FastAPI:
     """The tool server for the corpus at `corpus_root`. The search index is built (or loaded from
     `index_cache_dir`) here, before the app serves. With `token`, requests need `Authorization:
-    Bearer <token>`."""
+    Bearer <token>`. `suggest_cat`: see run_search."""
     root = Path(corpus_root)
     if not root.is_dir():
         raise FileNotFoundError(f"corpus directory not found: {root}")
@@ -322,7 +328,7 @@ def create_app(corpus_root: Path, *, index_cache_dir: Path | None = None, token:
         status, output = 200, ""
         try:
             args = parse_arguments(name, call.arguments)
-            output = {"search": lambda: run_search(index, args), "list": lambda: run_list(root, args),
+            output = {"search": lambda: run_search(index, args, suggest_cat=suggest_cat), "list": lambda: run_list(root, args),
                       "cat": lambda: run_cat(root, args)}[name]()
             return {"type": "function_call_output", "call_id": call.call_id, "output": output}
         except ToolError as exc:
