@@ -175,6 +175,22 @@ def test_search_finds_the_named_companys_report(tool_url: str, corpus: Path) -> 
         assert len(output.splitlines()) == 3 and " — " in output
 
 
+def test_search_can_end_with_the_call_that_reads_its_top_hit(tool_url: str, corpus: Path, tmp_path: Path) -> None:
+    """benchmarks/demo_learning --search-suggests-cat: the call is written out for a model to copy,
+    and the engine's parser reads it as the cat of the top hit's report."""
+    from workers.rl.toolcalls import HermesParser, as_tool_schemas
+
+    with serve_app(create_app(corpus, index_cache_dir=tmp_path, suggest_cat=True)) as port:
+        url = f"http://127.0.0.1:{port}"
+        status, output = _call(url, "search", {"query": "revenue 2023", "k": 2})
+        top = output.splitlines()[0].split(" — ")[0]
+        turn = HermesParser().parse(output, as_tool_schemas(TOOL_SCHEMAS))
+        assert status == "ok" and [call.name for call in turn.calls] == ["cat"] and not turn.issues
+        status, report = _call(url, "cat", turn.calls[0].arguments)
+        assert status == "ok" and report == (corpus / top).read_text()
+    assert "<tool_call>" not in _call(tool_url, "search", {"query": "revenue 2023", "k": 2})[1]  # by default
+
+
 def test_list_and_cat_with_paging(tool_url: str, corpus: Path) -> None:
     status, top = _call(tool_url, "list", {})
     assert status == "ok" and sorted(top.splitlines()[1:]) == sorted(f"{p.name}/" for p in corpus.iterdir())
