@@ -91,6 +91,16 @@ def update_round(policy: Any, sequences: list[TrainSequence], pad: int, *, by_le
     return {"seconds": seconds, "tokens_fed": fed, "of_real_tokens": fed / real, "micro_batches": len(groups)}
 
 
+@contextlib.contextmanager
+def our_kernels(on: bool) -> Any:
+    """Inside the block, our CPU kernels are used (on) or torch's ops are (cpu_kernels.DISABLE)."""
+    os.environ[cpu_kernels.DISABLE] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(cpu_kernels.DISABLE)
+
+
 UPDATE_PATHS = {  # label: (sorted by length, shared prompts, the update's forward, our kernels)
     "old: arrival order, every position's logits, float32 adapters": (False, False, baseline.token_logprobs, False),
     "sorted by length": (True, False, baseline.token_logprobs, False),
@@ -107,12 +117,9 @@ def update_comparison(policy: Any, pad: int, repeats: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in UPDATE_PATHS}
     for _ in range(repeats):
         for label, (by_length, shared, forward, kernels) in UPDATE_PATHS.items():
-            os.environ[cpu_kernels.DISABLE] = "1" if kernels else "0"
-            try:
+            with our_kernels(kernels):
                 runs[label].append(update_round(policy, sequences, pad, by_length=by_length, shared=shared,
                                                 forward=forward))
-            finally:
-                os.environ.pop(cpu_kernels.DISABLE)
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     old = medians[next(iter(UPDATE_PATHS))]["seconds"]
     print("| update, 16 demo-step sequences | micro-batches | tokens fed / tokens | forward+backward | vs old |")
@@ -201,14 +208,11 @@ def decode_run(policy: Any, batch: list[GenerationRequest], pad: int, path: str,
         old_batch = [baseline.GenerationRequest(r.context_ids, r.max_new_tokens, r.seed) for r in batch]
         out = baseline.generate_batch(policy, old_batch, pad_token_id=pad, temperature=1.0, timings=timings)
     else:
-        os.environ[cpu_kernels.DISABLE] = "0" if path.endswith("no kernels") else "1"
-        try:
-            with sampling_weights(policy) if "sampling weights" in path else contextlib.nullcontext():
-                if path.endswith("no lean step"):
-                    lean_decode.register(policy, None)
-                out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
-        finally:
-            os.environ.pop(cpu_kernels.DISABLE)
+        with our_kernels(not path.endswith("no kernels")), \
+                sampling_weights(policy) if "sampling weights" in path else contextlib.nullcontext():
+            if path.endswith("no lean step"):
+                lean_decode.register(policy, None)
+            out = generate_batch(policy, batch, pad_token_id=pad, temperature=1.0, timings=timings)
     rates.append(ROWS * (NEW_TOKENS - 1) / timings["decode_s"])
     return [(o.token_ids, o.logprobs) for o in out]
 

@@ -1,5 +1,6 @@
-// What the kernels share: float32's exp for softmax, and conversions: bfloat16 to float32 by a shift, float32 to bfloat16 rounded to
-// nearest even as torch rounds, both without branches so that the loops calling them vectorise.
+// What the kernels share: float32's exp for softmax, and conversions: bfloat16 to float32 by a
+// shift, float32 to bfloat16 rounded to nearest even as torch rounds, both without branches so that
+// the loops calling them vectorise.
 #pragma once
 
 #include <c10/util/BFloat16.h>
