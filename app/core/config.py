@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.graders.isolation import DEFAULT_OUTSIDE_EMBEDDED, PythonIsolation
+
 DEV_WORKER_TOKEN = "dev-worker-token-change-me"
 
 
@@ -82,6 +84,14 @@ class Settings(BaseSettings):
     )
     python_grader_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one `python` grader run.")
     python_grader_memory_mb: int = Field(512, ge=64, description="Memory limit of the `python` grader's sandbox process.")
+    python_grader_min_isolation: PythonIsolation | None = Field(
+        None,
+        description="Least isolation a `python` grader may run under (`uid_drop_netns` > `user_netns` > `root_netns` > `audit_hook`); below it, python graders are refused (400 `python_grader_isolation`) and workers do not run them. Unset: `audit_hook` with the embedded SQLite default (database and broker), `root_netns` otherwise.",
+    )
+    python_grader_isolation_cap: PythonIsolation | None = Field(
+        None,
+        description="For tests: the strongest isolation the `python` grader sandbox may use; it only ever lowers what the machine allows (e.g. `audit_hook` acts as a machine without namespaces), never raises it.",
+    )
     lease_seconds: int = Field(
         60, ge=1,
         description="How long a worker's claim on a job lasts without a heartbeat; the watchdog re-queues the job after that.",
@@ -221,6 +231,15 @@ class Settings(BaseSettings):
     @property
     def resolved_checkpoint_dir(self) -> Path:
         return (self.checkpoint_dir or self.data_dir / "checkpoints").resolve()
+
+    @property
+    def python_grader_required_isolation(self) -> PythonIsolation:
+        """The embedded default runs on one machine for its owner's own graders: there an audit
+        hook alone is allowed; a shared deployment needs a network namespace at least."""
+        if self.python_grader_min_isolation is not None:
+            return self.python_grader_min_isolation
+        embedded = self.resolved_database_url.startswith("sqlite") and self.resolved_broker_url.startswith("sqla+sqlite")
+        return PythonIsolation.AUDIT_HOOK if embedded else DEFAULT_OUTSIDE_EMBEDDED
 
 
 def normalize_database_url(url: str) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from app.graders.isolation import PythonIsolation
+
 # OpenAI's `metadata.errors` flags, all reported on every result.
 ERROR_FLAGS = (
     "formula_parse_error", "invalid_variable_error", "model_grader_parse_error", "model_grader_refusal_error",
@@ -138,6 +140,9 @@ class GraderContext:
     max_concurrency_per_url: int = 64
     python_timeout_s: float = 10.0
     python_memory_mb: int = 512
+    # The least sandbox isolation python graders run under, and (tests) a cap on what the probe may pick.
+    python_min_isolation: PythonIsolation = PythonIsolation.AUDIT_HOOK
+    python_isolation_cap: PythonIsolation | None = None
     http_client: httpx.AsyncClient | None = None
     # Shared state of grader implementations (rate limiters, loaded judges), keyed by their owner.
     shared: dict[str, Any] = field(default_factory=dict)

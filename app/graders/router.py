@@ -40,6 +40,6 @@ async def run_grader(body: GraderRunRequest, request: Request, _principal: Curre
 
 
 @router.post("/validate")
-def validate_grader(body: GraderValidateRequest, _principal: CurrentKey) -> dict[str, Any]:
+def validate_grader(body: GraderValidateRequest, request: Request, _principal: CurrentKey) -> dict[str, Any]:
     """Check a grader configuration without running it."""
-    return service.validate_grader(body)
+    return service.validate_grader(body, _grader_context(request))

@@ -8,6 +8,8 @@ Layers; where the machine refuses one (namespaces, switching users), the others 
 2. A network namespace where the kernel allows one (`unshare --net` when the child then becomes
    `nobody`, else `unshare --user --map-root-user --net`, which also takes away the capabilities
    of a root service): the process has no network interface but a loopback that is down.
+   What the machine allows of 2 and 3 is its isolation level (app/graders/isolation.py); below
+   the deployment's minimum the grader does not run at all.
 3. A root service's child drops to `nobody` before running user code (when `nobody` can read
    the standard library).
 4. Resource limits set in the child before user code runs: address space (memory), CPU time,
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.graders.core import GraderError
+from app.graders.isolation import STRONGEST, PythonIsolation
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +96,19 @@ SAFE_EVENTS = (
 class SandboxLimits:
     timeout_s: float
     memory_mb: int
+    # Below this isolation the grader is not run at all (fail closed): the API's check at job
+    # creation saw its own machine, not necessarily this worker's.
+    min_isolation: PythonIsolation = PythonIsolation.AUDIT_HOOK
+    isolation_cap: PythonIsolation | None = None  # tests: act as a machine that allows no more
 
 
 async def run_grade_function(source: str, sample: dict[str, Any], item: Any, limits: SandboxLimits) -> float:
     """`grade(sample, item)` of `source`, run in the sandbox. A failure raises GraderError:
     python_grader_runtime_error for the grader's own faults (exception, bad return value, timeout,
     memory), python_grader_server_error when the sandbox itself cannot run."""
-    isolation = await asyncio.to_thread(_isolation)
+    isolation = await asyncio.to_thread(_isolation, limits.isolation_cap)
+    if not isolation.level.at_least(limits.min_isolation):
+        raise GraderError("python_grader_server_error", isolation_refusal(isolation.level, limits.min_isolation))
     async with _slot():
         sandbox_dir = _make_sandbox_dir(isolation.drop_uid)
         try:
@@ -108,6 +117,21 @@ async def run_grade_function(source: str, sample: dict[str, Any], item: Any, lim
         finally:
             await asyncio.to_thread(_remove_tree, sandbox_dir)
     return _reward_from(outcome, limits)
+
+
+def python_isolation(cap: PythonIsolation | None = None) -> PythonIsolation:
+    """The isolation python graders get in this process (probed on first use, then remembered)."""
+    return _isolation(cap).level
+
+
+def isolation_refusal(level: PythonIsolation, required: PythonIsolation) -> str:
+    """Why python graders are refused here: what is in force, what is required, what changes it."""
+    level, required = PythonIsolation(level), PythonIsolation(required)
+    return (
+        f"python graders run here under isolation '{level}' ({level.describe()}), below the required "
+        f"'{required}' ({required.describe()}). Allow namespaces (unshare) for the service's user on this "
+        f"machine, or set AGENT_RFT_PYTHON_GRADER_MIN_ISOLATION={level} to accept it."
+    )
 
 
 # --- the parent side -------------------------------------------------------------------------
@@ -134,35 +158,32 @@ def _slot() -> asyncio.Semaphore:
 
 @dataclass(frozen=True)
 class _Isolation:
+    level: PythonIsolation
     prefix: list[str]  # the `unshare` command line, or [] where no namespace can be had
     drop_uid: int | None  # the uid the child switches to before running user code
 
 
 _probe_lock = threading.Lock()
-_probed: list[_Isolation] = []
+_probed: dict[PythonIsolation | None, _Isolation] = {}
 
 
-def _isolation() -> _Isolation:
+def _isolation(cap: PythonIsolation | None = None) -> _Isolation:
     with _probe_lock:
-        if not _probed:
-            _probed.append(_probe_isolation())
-        return _probed[0]
+        if cap not in _probed:
+            _probed[cap] = _probe_isolation(cap)
+            _log_isolation(_probed[cap].level, cap)
+        return _probed[cap]
 
 
-def _probe_isolation() -> _Isolation:
-    """The strongest isolation this machine allows, tried once per process:
+def _probe_isolation(cap: PythonIsolation | None = None) -> _Isolation:
+    """The strongest isolation this machine allows, no stronger than `cap`, tried once per process:
     as root, a network namespace and the `nobody` user (when nobody can read the standard
     library); otherwise a user + network namespace (no capabilities outside it); as root, a
     network namespace alone; else nothing but the audit hook."""
-    root = os.geteuid() == 0
-    candidates: list[tuple[list[str], int | None]] = []
-    if root and _stdlib_readable_by_others():
-        candidates.append((["--net"], NOBODY_UID))
-    candidates.append((["--user", "--map-root-user", "--net"], None))
-    if root:
-        candidates.append((["--net"], None))
     unshare = shutil.which("unshare")
-    for flags, drop_uid in candidates if unshare else []:
+    for level, flags, drop_uid in _candidates() if unshare else []:
+        if cap is not None and not PythonIsolation(cap).at_least(level):
+            continue  # the cap only ever skips modes: it cannot make the machine allow more
         prefix = [unshare, *flags, "--"]
         try:
             probe = subprocess.run(
@@ -171,9 +192,31 @@ def _probe_isolation() -> _Isolation:
         except (OSError, subprocess.SubprocessError):
             continue
         if probe.returncode == 0:
-            return _Isolation(prefix, drop_uid)
-    log.warning("python grader: no network namespace available; sockets are blocked by the audit hook only")
-    return _Isolation([], None)
+            return _Isolation(level, prefix, drop_uid)
+    return _Isolation(PythonIsolation.AUDIT_HOOK, [], None)
+
+
+def _candidates() -> list[tuple[PythonIsolation, list[str], int | None]]:
+    """The modes this process could use, strongest first: (level, unshare flags, uid to drop to)."""
+    root = os.geteuid() == 0
+    candidates: list[tuple[PythonIsolation, list[str], int | None]] = []
+    if root and _stdlib_readable_by_others():
+        candidates.append((PythonIsolation.UID_DROP_NETNS, ["--net"], NOBODY_UID))
+    candidates.append((PythonIsolation.USER_NETNS, ["--user", "--map-root-user", "--net"], None))
+    if root:
+        candidates.append((PythonIsolation.ROOT_NETNS, ["--net"], None))
+    return candidates
+
+
+def _log_isolation(level: PythonIsolation, cap: PythonIsolation | None) -> None:
+    """Once per process (and cap): operators should see when graders run with less than the best."""
+    capped = f" (capped by AGENT_RFT_PYTHON_GRADER_ISOLATION_CAP={cap})" if cap is not None else ""
+    if level == STRONGEST:
+        log.info("python grader isolation: %s (%s)%s", level, level.describe(), capped)
+        return
+    log.warning("python grader isolation: %s (%s), below the strongest, %s (%s)%s; "
+                "AGENT_RFT_PYTHON_GRADER_MIN_ISOLATION sets the least that is accepted",
+                level, level.describe(), STRONGEST, STRONGEST.describe(), capped)
 
 
 def _stdlib_readable_by_others() -> bool:

@@ -4,6 +4,7 @@ No web imports: the router turns HTTP into these calls."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -13,6 +14,8 @@ from app.core.errors import bad_request
 from app.core.schema_tags import register_union_tags
 from app.core.urls import BlockedURL, guard_url
 from app.graders.core import GraderContext, Sample, grade
+from app.graders.isolation import PythonIsolation
+from app.graders.sandbox import isolation_refusal, python_isolation
 from app.graders.schemas import Grader
 
 
@@ -62,6 +65,8 @@ def grader_context(settings: Settings) -> GraderContext:
         max_concurrency_per_url=settings.grader_max_concurrency,
         python_timeout_s=settings.python_grader_timeout_s,
         python_memory_mb=settings.python_grader_memory_mb,
+        python_min_isolation=settings.python_grader_required_isolation,
+        python_isolation_cap=settings.python_grader_isolation_cap,
     )
 
 
@@ -84,15 +89,49 @@ def check_grader_urls(grader: Any, allowlist: list[str], *, param: str) -> None:
                               code="url_not_allowed") from exc
 
 
+def _python_graders(grader: Any, path: str) -> list[tuple[str, Any]]:
+    """Every `python` grader in the tree (multi graders nest), with its param path."""
+    found = [(path, grader)] if getattr(grader, "type", None) == "python" else []
+    for name, sub in (getattr(grader, "graders", None) or {}).items():
+        found += _python_graders(sub, f"{path}.graders.{name}")
+    return found
+
+
+def check_python_isolation(
+    grader: Any, *, required: PythonIsolation, cap: PythonIsolation | None, param: str
+) -> None:
+    """400 `python_grader_isolation`, naming the first python grader, where this machine's sandbox
+    isolation is below the required one (probing it may take a moment, once per process)."""
+    found = _python_graders(grader, param)
+    if not found or required == PythonIsolation.AUDIT_HOOK:
+        return  # nothing to run in the sandbox, or any isolation will do
+    level = python_isolation(cap)
+    if not level.at_least(required):
+        path, config = found[0]
+        raise bad_request(f"Grader '{config.name}' is refused: {isolation_refusal(level, required)}",
+                          param=path, code="python_grader_isolation")
+
+
 async def run_grader(body: GraderRunRequest, ctx: GraderContext) -> dict[str, Any]:
     """Grade one sample; a grading failure is a flagged result (200), not an error response.
-    A URL the SSRF guard refuses is the caller's mistake, answered 400 as at job creation."""
+    A URL the SSRF guard refuses, or python graders on a machine below the required isolation,
+    are refused with 400 as at job creation."""
     check_grader_urls(body.grader, list(ctx.outbound_allowlist), param="grader")
+    await asyncio.to_thread(check_python_isolation, body.grader, required=ctx.python_min_isolation,
+                            cap=ctx.python_isolation_cap, param="grader")
     model_sample = body.model_sample if isinstance(body.model_sample, str) else body.model_sample.model_dump()
     result = await grade(body.grader, Sample.from_model_sample(model_sample), body.item or {}, ctx)
-    return result.to_run_response()
+    response = result.to_run_response()
+    if _python_graders(body.grader, "grader"):
+        # This service's extension: which sandbox the python graders ran in (probed by now).
+        level = await asyncio.to_thread(python_isolation, ctx.python_isolation_cap)
+        response["metadata"]["python_grader_isolation"] = str(level)
+    return response
 
 
-def validate_grader(body: GraderValidateRequest) -> dict[str, Any]:
-    """The grader as validated (Pydantic already refused an invalid one with the field named)."""
+def validate_grader(body: GraderValidateRequest, ctx: GraderContext) -> dict[str, Any]:
+    """The grader as validated (Pydantic already refused an invalid one with the field named);
+    400 for python graders this machine's sandbox isolation is too weak to run."""
+    check_python_isolation(body.grader, required=ctx.python_min_isolation, cap=ctx.python_isolation_cap,
+                           param="grader")
     return {"grader": body.grader.model_dump(mode="json", exclude_none=True)}

@@ -17,7 +17,7 @@ from app.core.ids import new_id
 from app.core.pagination import ListPage, page, page_by
 from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
-from app.graders.service import check_grader_urls
+from app.graders.service import check_grader_urls, check_python_isolation
 from app.idempotency import service as idempotency
 from app.jobs.models import Checkpoint, Job, JobEvent, JobRollout
 from app.jobs.schemas import (
@@ -108,6 +108,8 @@ def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
             raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
                               param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
     check_grader_urls(method.reinforcement.grader, settings.outbound_allowlist, param="method.reinforcement.grader")
+    check_python_isolation(method.reinforcement.grader, required=settings.python_grader_required_isolation,
+                           cap=settings.python_grader_isolation_cap, param="method.reinforcement.grader")
     stored = {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
     return tool_headers.seal_headers(stored, secret_box(settings))
 
