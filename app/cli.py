@@ -176,7 +176,8 @@ def _rewrite_all(rewrite, verb: str) -> None:  # noqa: ANN001
         done = rewrite(_session_factory(), box)
     except SecretUnreadable as exc:
         _fail(str(exc))
-    typer.echo(f"{verb} {done.tool_headers} tool header values and {done.webhook_secrets} webhook signing secrets.")
+    typer.echo(f"{verb} {done.headers} header values (of tools and graders) and {done.webhook_secrets} "
+               "webhook signing secrets.")
 
 
 @secrets_cli.command("reencrypt")

@@ -1,5 +1,5 @@
-"""`agent-rft secrets reencrypt` and `decrypt`: one pass over every stored secret (the tool headers
-in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets).
+"""`agent-rft secrets reencrypt` and `decrypt`: one pass over every stored secret (the tool and
+grader headers in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets).
 
 reencrypt seals each under the newest key of AGENT_RFT_SECRET_KEYS, plain values stored before
 encryption included; a value already under the newest key is left as it is, so a second run
@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.crypto import SecretBox, is_sealed
-from app.jobs.tool_headers import open_headers, reseal_headers
+from app.jobs.tool_headers import reseal_headers, unseal_headers
 from app.models import Diagnostic, Job, WebhookEndpoint  # every table: their foreign keys resolve
 
 BATCH = 200
@@ -27,7 +27,7 @@ WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
 class Rewritten:
     """How many stored values a pass rewrote."""
 
-    tool_headers: int = 0
+    headers: int = 0  # values in a `method`: tools' and graders'
     webhook_secrets: int = 0
 
 
@@ -64,7 +64,7 @@ def _pass(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, i
             for row in rows:
                 new, changed = method(row.method)
                 if changed:
-                    row.method, done.tool_headers = new, done.tool_headers + changed
+                    row.method, done.headers = new, done.headers + changed
     for endpoints in _locked_batches(factory, WebhookEndpoint):
         done.webhook_secrets += sum(_rewrite_secrets(ep, secret) for ep in endpoints)
     return done
@@ -74,12 +74,6 @@ def reencrypt(factory: sessionmaker[Session], box: SecretBox) -> Rewritten:
     return _pass(factory, lambda method: reseal_headers(method, box), box.reseal)
 
 
-def _opened(method: dict[str, Any], box: SecretBox) -> tuple[dict[str, Any], int]:
-    sealed = sum(isinstance(value, dict) for tool in (method.get("reinforcement") or {}).get("tools") or []
-                 for value in (tool.get("headers") or {}).values())
-    return (open_headers(method, box), sealed) if sealed else (method, 0)
-
-
 def decrypt(factory: sessionmaker[Session], box: SecretBox) -> Rewritten:
-    return _pass(factory, lambda method: _opened(method, box),
+    return _pass(factory, lambda method: unseal_headers(method, box),
                  lambda stored: box.open(stored) if is_sealed(stored) else None)

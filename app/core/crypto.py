@@ -1,6 +1,6 @@
-"""Secrets at rest: what the control plane must keep and use again (the tool headers a job sends
-to its tool servers, the webhook signing secrets) is stored encrypted, so a dump of the database
-does not reveal it.
+"""Secrets at rest: what the control plane must keep and use again (the headers a job sends to
+its tool servers and endpoint graders, the webhook signing secrets) is stored encrypted, so a
+dump of the database does not reveal it.
 
 Fernet (AES-128-CBC + HMAC-SHA256, from `cryptography`) under the keys of AGENT_RFT_SECRET_KEYS,
 newest first: the newest encrypts, every one decrypts, so a key is rotated by putting a new one
@@ -90,7 +90,7 @@ def secret_box(settings: Settings) -> SecretBox:
     if not settings.resolved_database_url.startswith("sqlite"):
         raise SecretKeysMissing(
             "AGENT_RFT_SECRET_KEYS is not set. With a database other than the embedded SQLite default, the key "
-            "that encrypts stored secrets (tool headers, webhook signing secrets) must come from the settings: "
+            "that encrypts stored secrets (tool and grader headers, webhook signing secrets) must come from the settings: "
             "generate one with `agent-rft secrets generate-key` and set AGENT_RFT_SECRET_KEYS to it (keep it "
             "apart from the database's backups). docs/security.md#secrets-at-rest")
     return _box((embedded_key(settings.data_dir.resolve()),))

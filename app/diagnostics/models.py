@@ -25,7 +25,7 @@ class Diagnostic(LeasedRun, Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True)
     model: Mapped[str] = mapped_column(String(256))
     training_file: Mapped[str] = mapped_column(String(64), index=True)
-    # The validated `method` object, tool headers included (masked on the way out), as on a job.
+    # The validated `method` object, header values sealed, as on a job.
     method: Mapped[dict[str, Any]] = mapped_column(JSONType)
     runs_per_sample: Mapped[int] = mapped_column(Integer)
     max_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -17,6 +17,7 @@ from app.graders.core import GraderContext, Sample, grade
 from app.graders.isolation import PythonIsolation
 from app.graders.sandbox import isolation_refusal, python_isolation
 from app.graders.schemas import Grader
+from app.jobs.tool_headers import public_grader
 
 
 class ModelSampleObject(BaseModel):
@@ -130,8 +131,9 @@ async def run_grader(body: GraderRunRequest, ctx: GraderContext) -> dict[str, An
 
 
 def validate_grader(body: GraderValidateRequest, ctx: GraderContext) -> dict[str, Any]:
-    """The grader as validated (Pydantic already refused an invalid one with the field named);
-    400 for python graders this machine's sandbox isolation is too weak to run."""
+    """The grader as validated (Pydantic already refused an invalid one with the field named),
+    header values masked as in every other answer that shows a grader. 400 for python graders
+    this machine's sandbox isolation is too weak to run."""
     check_python_isolation(body.grader, required=ctx.python_min_isolation, cap=ctx.python_isolation_cap,
                            param="grader")
-    return {"grader": body.grader.model_dump(mode="json", exclude_none=True)}
+    return {"grader": public_grader(body.grader.model_dump(mode="json", exclude_none=True))}

@@ -26,7 +26,7 @@ class Job(LeasedRun, Base):
     training_file: Mapped[str] = mapped_column(String(64), index=True)
     validation_file: Mapped[str | None] = mapped_column(String(64), nullable=True)
     status: Mapped[str] = mapped_column(String(32), index=True)
-    # The validated `method` object, tool headers included (they are masked on the way out).
+    # The validated `method` object; its tool and grader header values sealed (app/jobs/tool_headers.py).
     method: Mapped[dict[str, Any]] = mapped_column(JSONType)
     seed: Mapped[int] = mapped_column(Integer)
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)

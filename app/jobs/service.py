@@ -38,7 +38,7 @@ ENDPOINT = "POST /v1/fine_tuning/jobs"
 
 
 def public_method(method: dict[str, Any]) -> dict[str, Any]:
-    """The stored method as the API shows it: tool header values masked (sealed or legacy plain)."""
+    """The stored method as the API shows it: tool and grader header values masked (sealed or legacy plain)."""
     return tool_headers.public_headers(method)
 
 
@@ -81,7 +81,7 @@ def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
 
 def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
     """The stored form of a `method` block, after every synchronous check (also used by the
-    variance diagnostic, which takes the same block): tool header values sealed."""
+    variance diagnostic, which takes the same block): tool and grader header values sealed."""
     if method is None:
         raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
                        code="missing_required_parameter", param="method")

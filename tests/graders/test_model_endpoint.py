@@ -624,6 +624,11 @@ def test_run_and_validate_with_the_openai_sdk(sdk):
     )
     assert endpoint.reward == pytest.approx(0.4) and endpoint.metadata.errors.unresponsive_reward_error is False
     assert scripted.json_bodies()[0]["sample"]["output_text"] == "412.5"
+    # The request's own headers are sent as given (nothing is stored, so nothing is sealed) ...
+    assert scripted.requests[0]["headers"]["authorization"] == "Bearer grader-token-123"
+    # ... and the answer that echoes the grader masks them, as every answer that shows a grader does.
+    echoed = client.post("/fine_tuning/alpha/graders/validate", cast_to=object, body={"grader": endpoint_grader(base_url)})
+    assert echoed["grader"]["headers"] == {"Authorization": "****-123"}
 
     validated = client.fine_tuning.alpha.graders.validate(grader=score_grader(range=[0, 10]))
     assert validated.grader.type == "score_model" and validated.grader.range == [0, 10]
