@@ -298,3 +298,27 @@ def test_fused_rotary_replaces_transformers_function_while_any_block_is_open(ker
         fused = modeling_llama.apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())  # not taken
         torch.testing.assert_close(fused[0], original(q.float(), k.float(), cos.float(), sin.float())[0])
     assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def test_a_restart_from_another_copy_of_the_code_reuses_the_build(kernel, tmp_path):
+    """A worker restarted from another path to the same code (a new release directory after a
+    deploy, another checkout) imports the build it finds instead of compiling for a minute: the
+    cache is keyed by what goes into the binary, not by where the sources lie."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    library = Path(kernel.__file__)
+    built_at = library.stat().st_mtime_ns
+    copy = tmp_path / "release-2"
+    shutil.copytree(Path(cpu_kernels.__file__).with_name("kernels"), copy / "kernels")
+    shutil.copy(cpu_kernels.__file__, copy / "cpu_kernels.py")
+    program = ("import importlib.util, sys\n"
+               f"spec = importlib.util.spec_from_file_location('released_kernels', {str(copy / 'cpu_kernels.py')!r})\n"
+               "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+               "print(module.load().__file__)\n")
+    loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == str(library)
+    assert library.stat().st_mtime_ns == built_at  # nothing was compiled or linked again

@@ -17,8 +17,9 @@ causal attention's softmax backward for the update (`kernels/*.cpp`, one extensi
   flash backward (~5x its forward on the CPU).
 
 They are compiled for this machine (`-march=native`) by torch's extension builder on first use
-(~40-60 s, needs a C++ compiler and ninja; cached per CPU under `TORCH_EXTENSIONS_DIR`, by
-default `~/.cache/torch_extensions`). `python -m workers.rl.cpu_kernels` builds them ahead (the
+(~40-60 s, needs a C++ compiler and ninja; cached per CPU and content under `TORCH_EXTENSIONS_DIR`,
+by default `~/.cache/torch_extensions`, and imported from there by later processes, whatever path
+the sources are read from). `python -m workers.rl.cpu_kernels` builds them ahead (the
 demo and the test script do). Where they cannot be built, sampling and the update use torch's ops (sdpa,
 transformers' norm, flash's backward), after one warning; `AGENT_RFT_CPU_KERNELS=0` turns them off.
 """
@@ -72,6 +73,9 @@ def _build() -> Any:
         # load then waits on it forever; this OS lock dies with its process, so whoever holds it
         # knows a leftover torch lock is stale.
         with FileLock(str(directory / "agent-rft.lock"), timeout=600):
+            built = _import_built(directory)
+            if built is not None:
+                return built
             (directory / "lock").unlink(missing_ok=True)
             return load_extension(NAME, [str(source) for source in SOURCES], extra_cflags=FLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
@@ -80,11 +84,38 @@ def _build() -> Any:
         return False
 
 
+def _import_built(directory: Path) -> Any:
+    """The extension already built in `directory`, imported without asking ninja; None if there is
+    none. Ninja would rebuild whenever the command line differs, and the command names the sources'
+    absolute paths: another checkout or install of the same code (a new release directory after a
+    deploy), or a ninja of another version (which rejects the other's build log), recompiled for a
+    minute or more although nothing that goes into the binary changed. The directory's name already
+    says what does (build_directory)."""
+    import importlib.util
+
+    library = directory / f"{NAME}.so"
+    if not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:  # e.g. cut short by a build that was killed: build it again
+        log.warning("CPU kernels in %s do not load (%s); building them again", directory, exc)
+        library.unlink(missing_ok=True)
+        return None
+    return module
+
+
 def build_directory() -> Path:
-    """Where the kernels are built: per CPU model and instruction set (it is compiled with
-    -march=native, so a home directory shared by different machines must not share the binary)."""
+    """Where the kernels are built: one directory per CPU (they are compiled with -march=native, so
+    a home directory shared by different machines must not share the binary) and per content: the
+    sources' bytes, the flags, torch and the compiler. Another path to the same code shares the
+    build; a change to any of these builds anew beside it."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
-    return root / f"{NAME}-{_cpu_fingerprint()}"
+    return root / f"{NAME}-{_cpu_fingerprint()}-{_content_fingerprint()}"
 
 
 def _cpu_fingerprint() -> str:
@@ -97,6 +128,24 @@ def _cpu_fingerprint() -> str:
     except OSError:
         described = []
     return hashlib.sha256("\n".join([platform.machine(), *described]).encode()).hexdigest()[:12]
+
+
+def _content_fingerprint() -> str:
+    import hashlib
+    import subprocess
+    import sys
+
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).with_name("kernels").iterdir()):  # the headers too
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        compiler_version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        compiler_version = "unknown"
+    for part in (*FLAGS, torch.__version__, sys.version, compiler, compiler_version):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
