@@ -155,6 +155,9 @@ class Settings(BaseSettings):
         4, ge=1, description="How many fine-tuned models (LoRA adapters or full checkpoints) the inference server keeps loaded; the least recently used is evicted, and loaded again on demand.",
     )
     inference_max_batch_size: int = Field(16, ge=1, le=256, description="Most sequences the inference server generates in one batch.")
+    inference_max_queue: int = Field(
+        32, ge=1, description="Most requests that wait for a batch on the inference server (those being generated are not counted); past it a request is answered 429 `rate_limit_exceeded` with `Retry-After` at once.",
+    )
     inference_batch_window_s: float = Field(
         0.01, ge=0, le=1, description="How long the inference server waits for more requests of the same model before it starts a batch.",
     )

@@ -2,7 +2,8 @@
 
 The inference server (`agent-rft inference`, workers/inference/) is trusted like a worker: it is
 called with the worker token. Every wait has a timeout; an unreachable, crashed or stuck inference
-server is a 503 `inference_unavailable` with a clear message, never a hang or a 500.
+server is a 503 `inference_unavailable` with a clear message, never a hang or a 500. Its 429
+(a full queue) reaches the caller as it is, `Retry-After` included, so that clients back off.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from app.core.errors import APIError, error_body
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 COMPLETIONS_PATH = "/internal/v1/chat/completions"
+RELAYED_HEADERS = ("retry-after",)  # of the inference server's answer, the headers the caller needs
 
 
 def unavailable(settings: Settings, detail: str) -> APIError:
@@ -51,7 +53,7 @@ class InferenceClient:
             raise unavailable(self.settings, f"no answer within {self.settings.inference_timeout_s:.0f} s") from exc
         except httpx.HTTPError as exc:
             raise unavailable(self.settings, _describe(exc)) from exc
-        return _relay(self.settings, answer.status_code, answer.content)
+        return _relay(self.settings, answer.status_code, answer.content, answer.headers)
 
     async def stream(self, body: dict[str, Any], model: dict[str, Any]) -> Response:
         """Streaming: waits for the inference server to accept the request (so a bad request is
@@ -70,7 +72,7 @@ class InferenceClient:
                 raise unavailable(self.settings, _describe(exc)) from exc
             finally:
                 await answer.aclose()
-            return _relay(self.settings, answer.status_code, content)
+            return _relay(self.settings, answer.status_code, content, answer.headers)
         return StreamingResponse(self._relay_events(answer), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -87,7 +89,7 @@ class InferenceClient:
             await answer.aclose()
 
 
-def _relay(settings: Settings, status: int, content: bytes) -> Response:
+def _relay(settings: Settings, status: int, content: bytes, headers: httpx.Headers) -> Response:
     if status >= 500 and status != 503:
         log.warning("inference server answered %s: %s", status, content[:500])
         raise unavailable(settings, f"it answered HTTP {status}")
@@ -95,7 +97,11 @@ def _relay(settings: Settings, status: int, content: bytes) -> Response:
         payload = json.loads(content)
     except ValueError as exc:
         raise unavailable(settings, f"it answered HTTP {status} with a body that is not JSON") from exc
-    return JSONResponse(payload, status_code=status)
+    return JSONResponse(payload, status_code=status, headers=_relayed_headers(headers))
+
+
+def _relayed_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {name: headers[name] for name in RELAYED_HEADERS if name in headers}
 
 
 def _describe(exc: httpx.HTTPError) -> str:

@@ -6,12 +6,19 @@ others of the same model to arrive, and generates all their rows (n per request)
 thread that touches the model pool. Each pending request receives, on its own asyncio queue:
 ("accepted", plan) or ("error", exc) first, then ("delta", choice index, text) while it streams,
 then ("done", choices).
+
+The queue is bounded: at most `max_waiting` requests wait for a batch (those taken into the batch
+being generated are not counted). Past it, `submit` raises QueueFull at once, with the seconds
+after which a retry should find room: a request waiting now is taken when the running batch ends,
+so that is about one batch's time (the mean of the recent ones).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +29,15 @@ from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import release_freed_memory
 
 log = logging.getLogger(__name__)
+# The openai SDK waits out a Retry-After only up to a bound (60 s in older versions, 120 s now).
+RETRY_AFTER_MAX_S = 60
+BATCH_TIME_WEIGHT = 0.3  # weight of the latest batch in the running mean of batch durations
+
+
+class QueueFull(Exception):
+    def __init__(self, waiting: int, retry_after_s: int) -> None:
+        super().__init__(f"{waiting} requests are waiting")
+        self.waiting, self.retry_after_s = waiting, retry_after_s
 
 
 @dataclass
@@ -49,9 +65,13 @@ class _Row:
 
 
 class Scheduler:
-    def __init__(self, pool: ModelPool, *, max_batch_size: int, batch_window_s: float, default_max_tokens: int) -> None:
+    def __init__(self, pool: ModelPool, *, max_batch_size: int, batch_window_s: float, default_max_tokens: int,
+                 max_waiting: int) -> None:
         self.pool = pool
         self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.generating = 0  # requests in the batch being generated
+        self.batch_seconds: float | None = None  # running mean of how long a batch takes
         self.batch_window_s = batch_window_s
         self.default_max_tokens = default_max_tokens
         self.pending: list[Pending] = []
@@ -59,8 +79,23 @@ class Scheduler:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
 
     def submit(self, pending: Pending) -> None:
+        """Queue `pending`, or raise QueueFull when `max_waiting` requests already wait."""
+        if len(self.pending) >= self.max_waiting:
+            raise QueueFull(len(self.pending), self.retry_after_s())
         self.pending.append(pending)
         self.wake.set()
+
+    def retry_after_s(self) -> int:
+        """Whole seconds until the running batch is likely done and a waiting request is taken."""
+        expected = self.batch_seconds if self.batch_seconds is not None else 1.0
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(expected)))
+
+    def queue_state(self) -> dict[str, int]:
+        return {"waiting": len(self.pending), "generating": self.generating, "max_waiting": self.max_waiting}
+
+    def _record_batch_time(self, seconds: float) -> None:
+        previous = self.batch_seconds
+        self.batch_seconds = seconds if previous is None else previous + BATCH_TIME_WEIGHT * (seconds - previous)
 
     async def in_generation_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -74,15 +109,22 @@ class Scheduler:
             if self.batch_window_s:
                 await asyncio.sleep(self.batch_window_s)  # let requests for the same model join
             batch = self._take_batch()
-            loop = asyncio.get_running_loop()
+            self.generating, started = len(batch), time.monotonic()
             try:
-                await self.in_generation_thread(self._generate, batch, loop)
-            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
-                log.exception("generation failed")
-                for pending in batch:
-                    pending.events.put_nowait(("error", exc))
+                await self._generate_in_thread(batch)
+            finally:
+                self.generating = 0
+            self._record_batch_time(time.monotonic() - started)
             if self.pending:
                 self.wake.set()
+
+    async def _generate_in_thread(self, batch: list[Pending]) -> None:
+        try:
+            await self.in_generation_thread(self._generate, batch, asyncio.get_running_loop())
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+            log.exception("generation failed")
+            for pending in batch:
+                pending.events.put_nowait(("error", exc))
 
     def _take_batch(self) -> list[Pending]:
         head = self.pending[0]

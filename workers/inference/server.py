@@ -4,6 +4,10 @@ The API authenticates the caller, resolves the model name within the caller's pr
 forwards `{"request": <checked chat request>, "model": {"name", "base", "checkpoint_path"}}` to
 `POST /internal/v1/chat/completions` with the worker token. Answers are OpenAI's chat-completion
 objects, or server-sent `chat.completion.chunk` events when `stream` is true.
+
+A request that finds `AGENT_RFT_INFERENCE_MAX_QUEUE` requests already waiting is answered 429
+`rate_limit_exceeded` with `Retry-After` at once (before any stream starts), as OpenAI answers a
+request it has no capacity for; the API passes both through.
 """
 
 from __future__ import annotations
@@ -22,14 +26,22 @@ from app.core.config import Settings
 from app.core.errors import error_body
 from workers.inference.chat import BadChatRequest, ChatPlan, chunk, completion_body, delta, tool_call_deltas, usage
 from workers.inference.pool import ModelPool, ModelUnavailable
-from workers.inference.scheduler import Pending, Scheduler
+from workers.inference.scheduler import Pending, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, *, code: str, param: str | None = None,
-           type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
+           type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status, headers=headers)
+
+
+def _queue_full(exc: QueueFull) -> JSONResponse:
+    # OpenAI's 429 for "too many requests right now" is code rate_limit_exceeded, type "requests";
+    # the SDKs retry it after Retry-After.
+    return _error(429, f"The inference server is at capacity: {exc.waiting} requests are already waiting for "
+                       f"generation. Please try again in {exc.retry_after_s} s.",
+                  code="rate_limit_exceeded", type="requests", headers={"Retry-After": str(exc.retry_after_s)})
 
 
 def _error_for(exc: BaseException) -> JSONResponse:
@@ -46,7 +58,8 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
                      dtype=settings.inference_dtype, checkpoint_root=settings.resolved_checkpoint_dir)
     scheduler = Scheduler(pool, max_batch_size=settings.inference_max_batch_size,
                           batch_window_s=settings.inference_batch_window_s,
-                          default_max_tokens=settings.inference_default_max_tokens)
+                          default_max_tokens=settings.inference_default_max_tokens,
+                          max_waiting=settings.inference_max_queue)
     token = settings.worker_token.get_secret_value().encode()
 
     @contextlib.asynccontextmanager
@@ -70,7 +83,7 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
     def healthz() -> dict[str, Any]:
         return {"status": "ok", "bases": list(settings.inference_models), "pool": pool.loaded_keys(),
                 "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions,
-                "preparations": pool.stats.preparations}
+                "preparations": pool.stats.preparations, "queue": scheduler.queue_state()}
 
     @app.post("/internal/v1/chat/completions", response_model=None)
     async def complete(request: Request) -> Response:
@@ -85,7 +98,10 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
             return _error(400, "Expected {'request': {...}, 'model': {'name', 'base', 'checkpoint_path'}}.",
                           code="invalid_value")
         pending = Pending(chat_request, model, stream=bool(chat_request.get("stream")))
-        scheduler.submit(pending)
+        try:
+            scheduler.submit(pending)
+        except QueueFull as exc:
+            return _queue_full(exc)
         first = await pending.events.get()
         if first[0] == "error":
             return _error_for(first[1])
