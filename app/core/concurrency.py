@@ -22,6 +22,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from app.core.retry import throttle_counts
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -119,7 +121,7 @@ class Backpressure:
 
     def count(self, statistics: Mapping[str, Any]) -> tuple[int, float]:
         """Add one call's throttled answers and waits (its retry policy's statistics); return them."""
-        throttled, waited = statistics.get("throttled", 0), statistics.get("throttle_wait_s", 0.0)
+        throttled, waited = throttle_counts(statistics)
         self.throttled += throttled
         self.throttle_wait_s += waited
         return throttled, waited

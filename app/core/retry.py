@@ -16,7 +16,9 @@ Backpressure is not failure: a caller may pass `throttle`, which reads a failed 
 outcome for a throttled answer (429 or 503 with Retry-After, `throttle_wait_s`). Such an answer
 is waited out as long as it asks (the caller cut it to its cap) and spends none of the
 `attempts`, until `throttle_budget_s` of such waits is spent in the call; the policy object's
-`statistics["throttled"]` and `["throttle_wait_s"]` count them.
+`statistics["throttled"]` and `["throttle_wait_s"]` count them as they happen (`throttle_counts`),
+so a call cancelled mid-wait (a deadline around it) still says what it went through: a wait cut
+short counts the seconds it lasted.
 
 Imports only httpx, tenacity and the standard library (app/ never imports torch).
 """
@@ -103,13 +105,23 @@ class Backoff(wait_base):
         return self.delay(retry_state.attempt_number)  # the attempt that just failed: retry n follows attempt n
 
 
+def throttle_counts(statistics: Mapping[str, Any]) -> tuple[int, float]:
+    """A policy's throttled answers and the seconds waited for them so far (its `statistics`)."""
+    return statistics.get("throttled", 0), statistics.get("throttle_wait_s", 0.0)
+
+
 class _Throttling:
     """One call's throttled attempts: which ones asked to wait, and how long. Stop and wait both
-    ask about the same attempt (in an order tenacity decides), so the answer is kept per attempt."""
+    ask about the same attempt (in an order tenacity decides), so the answer is kept per attempt.
 
-    def __init__(self, wait_for: Callable[[RetryCallState], float | None], budget_s: float) -> None:
-        self.wait_for, self.budget_s = wait_for, budget_s
+    Counts into the policy's statistics as it goes, not when the call returns: a caller's deadline
+    may cancel the call in the middle of a wait, and what it waited until then still happened."""
+
+    def __init__(self, wait_for: Callable[[RetryCallState], float | None], budget_s: float,
+                 sleep: Callable[[float], Awaitable[None]]) -> None:
+        self.wait_for, self.budget_s, self._sleep = wait_for, budget_s, sleep
         self.waits: dict[int, float | None] = {}  # attempt number -> its throttle wait; None: a plain failure
+        self.statistics: dict[str, Any] = {}  # the policy's, bound at the first throttled answer
 
     def wait_of(self, retry_state: RetryCallState) -> float | None:
         number = retry_state.attempt_number
@@ -119,14 +131,32 @@ class _Throttling:
                 wait = None  # the budget is spent: from now on a throttled answer counts as a failure
             self.waits[number] = wait
             if wait is not None:
-                stats = retry_state.retry_object.statistics
-                stats["throttled"] = stats.get("throttled", 0) + 1
-                stats["throttle_wait_s"] = stats.get("throttle_wait_s", 0.0) + wait
+                self.statistics = retry_state.retry_object.statistics
+                self.statistics["throttled"] = self.statistics.get("throttled", 0) + 1
         return self.waits[number]
 
     @property
     def waited_s(self) -> float:
+        """The waits granted so far: what spends the budget."""
         return sum(w for w in self.waits.values() if w is not None)
+
+    async def sleep(self, seconds: float) -> None:
+        """The policy's sleep. Tenacity sleeps only after both stop and wait assessed the failed
+        attempt, so the latest attempt's wait says whether this is a throttle wait (None: a backoff)."""
+        asked = self.waits.get(max(self.waits, default=0))
+        if asked is None:
+            await self._sleep(seconds)
+            return
+        started = time.monotonic()
+        try:
+            await self._sleep(seconds)
+        except BaseException:  # cut short (the call was cancelled): only the part that elapsed was waited
+            self._count_wait(min(asked, time.monotonic() - started))
+            raise
+        self._count_wait(asked)
+
+    def _count_wait(self, seconds: float) -> None:
+        self.statistics["throttle_wait_s"] = self.statistics.get("throttle_wait_s", 0.0) + seconds
 
     def spent_attempts(self, retry_state: RetryCallState) -> int:
         """Attempts so far that count against the call's `attempts` (the throttled ones do not)."""
@@ -160,15 +190,16 @@ def _last_outcome(retry_state: RetryCallState) -> Any:
 
 
 def _policy(attempts: int, retry: retry_base, base_s: float, max_s: float,
-            before_sleep: Callable[[RetryCallState], Any] | None,
+            before_sleep: Callable[[RetryCallState], Any] | None, sleep: Callable[[float], Any],
             throttle: Callable[[RetryCallState], float | None] | None = None,
             throttle_budget_s: float = math.inf) -> dict[str, Any]:
     stop: stop_base = stop_after_attempt(max(1, attempts))
     wait: wait_base = Backoff(base_s, max_s)
     if throttle is not None:
-        throttling = _Throttling(throttle, throttle_budget_s)
+        throttling = _Throttling(throttle, throttle_budget_s, sleep)
         stop, wait = _StopAfterSpent(max(1, attempts), throttling), _WaitAsAsked(Backoff(base_s, max_s), throttling)
-    return {"stop": stop, "retry": retry, "wait": wait, "before_sleep": before_sleep,
+        sleep = throttling.sleep
+    return {"stop": stop, "retry": retry, "wait": wait, "sleep": sleep, "before_sleep": before_sleep,
             "retry_error_callback": _last_outcome}
 
 
@@ -179,7 +210,7 @@ def retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = 
 
     Make one per call: its `statistics["attempt_number"]` then counts that call's attempts.
     """
-    return Retrying(sleep=sleep, **_policy(attempts, retry, base_s, max_s, before_sleep))
+    return Retrying(**_policy(attempts, retry, base_s, max_s, before_sleep, sleep))
 
 
 def async_retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = retry_transient_http,
@@ -192,9 +223,9 @@ def async_retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_b
 
     `throttle(retry_state)`: the seconds a failed attempt's throttled answer asks to wait (None when
     it was not throttled); those attempts are waited out and not counted against `attempts`, until
-    `throttle_budget_s` of waits is spent (module docstring)."""
-    return AsyncRetrying(sleep=sleep, **_policy(attempts, retry, base_s, max_s, before_sleep, throttle,
-                                                throttle_budget_s))
+    `throttle_budget_s` of waits is spent (module docstring). `throttle_counts(policy.statistics)`
+    says how many and how long so far: after the call, and also after it was cancelled."""
+    return AsyncRetrying(**_policy(attempts, retry, base_s, max_s, before_sleep, sleep, throttle, throttle_budget_s))
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:

@@ -484,6 +484,31 @@ def test_a_steps_grader_load_counts_the_throttled_answers_of_that_step_only(judg
     assert 1 <= first["concurrency"] <= 8
 
 
+def test_a_grading_cancelled_mid_wait_counts_the_wait_as_far_as_it_went(judge):
+    """The endpoint answers 429 Retry-After: 1 and the grading is cancelled 0.4 s into that wait
+    (a deadline around it): the URL's account holds the throttled answer and the 0.4 s waited,
+    not the second it asked for."""
+    from app.graders.judges import backpressure_stats
+
+    scripted, base_url = judge
+    scripted.reset(default=(429, "busy", {"Retry-After": "1"}))
+    config = GRADER.validate_python(endpoint_grader(base_url))
+    ctx = context()
+
+    async def cancelled_mid_wait() -> dict[str, Any]:
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.4):
+                    await grade(config, Sample(output_text="x"), {}, ctx)
+            return backpressure_stats(ctx)
+        finally:
+            await close_http_client(ctx)
+
+    (url_stats,) = asyncio.run(cancelled_mid_wait()).values()
+    assert len(scripted.requests) == 1 and url_stats["throttled"] == 1
+    assert 0.2 <= url_stats["throttle_wait_s"] <= 0.4
+
+
 def test_endpoint_4xx_bad_json_and_missing_score_are_other_errors(judge):
     scripted, base_url = judge
     scripted.reset((400, {"detail": "item.reference_answer is required"}), (200, "<html>oops</html>"),

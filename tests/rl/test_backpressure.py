@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.core.concurrency import AdaptiveLimit
-from app.core.retry import retry_after_s, throttle_wait_s
+from app.core.retry import async_retrying, retry_after_s, throttle_wait_s
 from tests.conftest import serve_app
 from workers.rl.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
 
@@ -170,6 +170,25 @@ def test_throttled_waits_stop_being_free_past_the_calls_budget(server: BusyTool)
     assert result.attempts == 4  # 2 waited out + the 2 that the budget of 1 + retries allows
 
 
+def test_the_policy_counts_a_wait_cut_short_by_cancellation_as_far_as_it_went() -> None:
+    """app.core.retry counts a throttled answer when it comes and its wait as it is waited: a
+    deadline that cancels the call 0.3 s into a 1 s wait leaves 1 answer and 0.3 s counted."""
+    async def throttled() -> str:
+        return "429"
+
+    async def go() -> dict[str, Any]:
+        policy = async_retrying(attempts=1, base_s=0.01, max_s=0.02, retry=lambda state: True,
+                                throttle=lambda state: 1.0)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await policy(throttled)
+        return policy.statistics
+
+    statistics = asyncio.run(go())
+    assert statistics["throttled"] == 1
+    assert 0.25 <= statistics.get("throttle_wait_s", 0.0) <= 0.5  # not the whole second it asked
+
+
 def test_a_429_without_retry_after_spends_a_retry(server: BusyTool) -> None:
     server.reset(throttle_first=1, retry_after=None)
     (result,), _ = calls(server, 1, retries=1)
@@ -232,17 +251,13 @@ def test_adaptive_limit_halves_once_per_round_and_grows_by_one_per_round() -> No
 # --- the rollout engine and the step's metrics ----------------------------------------------------
 
 
-def test_rollouts_are_kept_and_the_waits_reach_the_step_metrics(server: BusyTool) -> None:
-    """8 rollouts each call a tool whose first 4 answers are 429 Retry-After: 1, with `retries: 0`:
-    every rollout is answered (none dropped as a tool failure), and the step's `tools` block
-    counts the throttled answers, the seconds waited and the concurrency."""
-    from app.dashboard.charts import charted_keys
-    from app.jobs.worker_service import flatten_metrics
+def rollouts(server: BusyTool, n: int, config: Any = None) -> tuple[list[Any], dict[str, dict[str, float]]]:
+    """`n` rollouts whose first turn calls `search` (`retries: 0`) and whose second answers, and
+    the tool client's stats after."""
     from tests.rl.policies import ScriptedPolicy
     from workers.rl.models import load_model
     from workers.rl.prompting import ChatFormatter
     from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-    from workers.rl.summary import summarize
     from workers.rl.toolcalls import ToolSchema
 
     tokenizer = load_model("tiny-smollm2").tokenizer
@@ -250,16 +265,27 @@ def test_rollouts_are_kept_and_the_waits_reach_the_step_metrics(server: BusyTool
     turn = '<tool_call>{"name": "search", "arguments": {"query": "revenue"}}</tool_call>'
     policy = ScriptedPolicy(tokenizer, {"a": [turn, "The answer is 42."]})
     specs = [RolloutSpec(sample_index=i, messages=[{"role": "user", "content": f"Q{i}. SCRIPT=a"}],
-                         tools=[schema], item={}, seed=i) for i in range(8)]
-    server.reset(throttle_first=4, retry_after="1")
+                         tools=[schema], item={}, seed=i) for i in range(n)]
 
-    async def go() -> list[Any]:
+    async def go() -> tuple[list[Any], dict[str, dict[str, float]]]:
         endpoint = {"name": "search", "server_url": server.url, "retries": 0}
         async with ToolClient([endpoint], allowlist=LOCAL, options=FAST) as client:
-            engine = RolloutEngine(policy, tokenizer, ChatFormatter(tokenizer), client, EngineConfig())
-            return await engine.run(specs)
+            engine = RolloutEngine(policy, tokenizer, ChatFormatter(tokenizer), client, config or EngineConfig())
+            return await engine.run(specs), client.backpressure_stats()
 
-    records = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_rollouts_are_kept_and_the_waits_reach_the_step_metrics(server: BusyTool) -> None:
+    """8 rollouts each call a tool whose first 4 answers are 429 Retry-After: 1, with `retries: 0`:
+    every rollout is answered (none dropped as a tool failure), and the step's `tools` block
+    counts the throttled answers, the seconds waited and the concurrency."""
+    from app.dashboard.charts import charted_keys
+    from app.jobs.worker_service import flatten_metrics
+    from workers.rl.summary import summarize
+
+    server.reset(throttle_first=4, retry_after="1")
+    records, _ = rollouts(server, 8)
     assert [r.finish_reason for r in records] == ["answered"] * 8
     tools = summarize(records)
     assert tools["tool_throttled_by_tool"] == {"search": 4}
@@ -271,3 +297,27 @@ def test_rollouts_are_kept_and_the_waits_reach_the_step_metrics(server: BusyTool
     for prefix in ("tools.tool_throttled_by_tool.", "tools.tool_throttle_wait_s_by_tool.",
                    "tools.tool_concurrency_by_tool."):
         assert prefix in prefixes and f"{prefix}search" in flat
+
+
+def test_throttling_is_counted_when_the_rollouts_deadline_cancels_the_call(server: BusyTool) -> None:
+    """The tool answers 429 Retry-After: 1 to every request, and the rollout's deadline (2 s)
+    cancels its call in the middle of the second wait: the rollout is a tool failure, and its
+    record, the step's `tools` block and the client's stats count both throttled answers and the
+    seconds actually waited (the cut-short wait only as far as it went, not the second it asked)."""
+    from workers.rl.rollout import EngineConfig
+    from workers.rl.summary import summarize
+
+    server.reset(throttle_first=1000, retry_after="1")
+    (record,), stats = rollouts(server, 1, EngineConfig(rollout_timeout_s=2.0))
+
+    assert record.finish_reason == "tool_failure" and 2.0 <= record.wall_time_s < 3
+    (call,) = record.tool_calls
+    assert call.status == "failed" and "deadline of 2 s" in call.error
+    # The first turn's generation (well under a second), answers 1 s apart, the deadline at 2 s.
+    assert server.answers == [429, 429], "timing: the deadline did not fall in the second wait"
+    assert call.throttled == 2 and 1.0 < call.throttle_wait_s < 2.0  # the first wait, part of the second
+    assert call.throttle_wait_s <= call.latency_s
+    tools = summarize([record])
+    assert tools["tool_throttled_by_tool"] == {"search": 2}
+    assert tools["tool_throttle_wait_s_by_tool"] == {"search": call.throttle_wait_s}
+    assert stats["search"]["throttled"] == 2 and stats["search"]["throttle_wait_s"] == call.throttle_wait_s

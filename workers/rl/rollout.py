@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from workers.rl.generation import DecodeBatch, GenerationOutput, GenerationRequest, KVPrefix
@@ -433,16 +433,14 @@ class _Episode:
         return self.deadline is not None and asyncio.get_running_loop().time() >= self.deadline
 
     async def _call_tool(self, call: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id,
-                                                  name=call.name, arguments_json=call.arguments_json,
-                                                  item=self.spec.item)
-        except asyncio.CancelledError:  # the rollout's deadline: the call is recorded as what it was
+        def record_cancelled(result: ToolResult) -> None:
+            # The rollout's deadline: the call is recorded as far as it got (its throttled answers and waits).
             error = f"cancelled: the rollout's deadline of {self.cfg.rollout_timeout_s:g} s passed"
-            self._record_call(call, ToolResult(name=call.name, call_id=call.call_id, status="failed", output="",
-                                               latency_s=time.perf_counter() - started, error=error))
-            raise
+            self._record_call(call, replace(result, error=error))
+
+        result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id, name=call.name,
+                                              arguments_json=call.arguments_json, item=self.spec.item,
+                                              on_cancel=record_cancelled)
         self._record_call(call, result)
         return result
 

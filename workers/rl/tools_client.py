@@ -16,7 +16,9 @@ Outcomes, as `ToolResult.status`:
 - `blocked`: the SSRF guard refused the URL (no retries).
 - `unknown_tool`: no tool of that name is configured for the job.
 - `skipped`: the variance diagnostic was told to skip tools that are not read-only.
-`call` never raises (except on cancellation): a tool cannot crash a job.
+`call` never raises (except on cancellation): a tool cannot crash a job. A cancelled call (the
+rollout's deadline) hands its `on_cancel` what it did until then: its throttled answers and the
+seconds it waited count like a finished call's.
 
 Every request carries `Idempotency-Key` (the same on every attempt of one call, app.core.tracing)
 and a W3C `traceparent` naming the rollout's trace (a new span id per attempt). A tool declared
@@ -36,17 +38,25 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from aiolimiter import AsyncLimiter
-from tenacity import RetryCallState, retry_if_result
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result
 
 from app.core.ids import new_id
 from app.core.concurrency import Backpressure
-from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_error, retryable_status, throttle_wait_s
+from app.core.retry import (
+    THROTTLE_STATUS,
+    async_retrying,
+    excerpt,
+    retryable_error,
+    retryable_status,
+    throttle_counts,
+    throttle_wait_s,
+)
 from app.core.tracing import idempotency_key, traceparent
 from app.core.urls import BlockedURL, Resolver, guarded_client
 
@@ -256,8 +266,11 @@ class ToolClient:
         return {name: {"lookups": c.lookups, "hits": c.hits, "calls_saved": c.hits,
                        "hit_rate": c.hits / c.lookups if c.lookups else 0.0} for name, c in self._caches.items()}
 
-    async def call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict) -> ToolResult:
-        """POST one function call to its tool server and return what the model should see."""
+    async def call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict,
+                   on_cancel: Callable[[ToolResult], None] | None = None) -> ToolResult:
+        """POST one function call to its tool server and return what the model should see.
+
+        Cancelled, it first hands `on_cancel` a failed result of what the call did until then."""
         started = time.monotonic()
         tool = self._tools.get(name)
         if tool is None:
@@ -280,15 +293,26 @@ class ToolClient:
             error = f"the call cannot be sent as JSON: {exc}"
             return ToolResult(name=name, call_id=call_id, status="failed", output=f"error: {error}", error=error)
 
+        policy = self._retry_policy(tool)
+
         async def send() -> ToolResult:
             token = _CALL_CONTEXT.set((trace_id, idempotency_key(trace_id, call_id)))
             try:
-                attempt, attempts = await self._send_with_retries(tool, content)
+                attempt, attempts = await self._send_with_retries(tool, content, policy)
             finally:
                 _CALL_CONTEXT.reset(token)
             return self._result(name, call_id, attempt, attempts, time.monotonic() - started)
 
-        cache = self._caches.get(name)
+        try:
+            return await self._send_or_cached(tool, send, arguments_json, item, call_id=call_id, started=started)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel(self._cancelled_result(tool, call_id, policy, time.monotonic() - started))
+            raise
+
+    async def _send_or_cached(self, tool: _Tool, send: Any, arguments_json: str, item: dict, *, call_id: str,
+                              started: float) -> ToolResult:
+        cache = self._caches.get(tool.endpoint.name)
         if cache is None:
             return await send()
         key = _cache_key(arguments_json, item if tool.endpoint.cache_per_item else None)
@@ -319,20 +343,36 @@ class ToolClient:
             del cache.waiting[key]
             event.set()
 
-    async def _send_with_retries(self, tool: _Tool, content: bytes) -> tuple[_Attempt, int]:
-        """The last attempt's outcome and how many were made (1 + `retries` at most)."""
+    def _retry_policy(self, tool: _Tool) -> AsyncRetrying:
+        """One call's retry policy (app.core.retry): its statistics count that call's attempts, and
+        its throttled answers and waits as they happen."""
         def log_retry(retry_state: RetryCallState) -> None:
             logger.info("tool %s: attempt %d failed (%s); retrying", tool.endpoint.name,
                         retry_state.attempt_number, retry_state.outcome.result().error)
 
         opts = self.options
-        policy = async_retrying(attempts=1 + max(0, tool.retries), base_s=opts.backoff_base_s,
-                                max_s=opts.backoff_max_s, retry=retry_if_result(_is_retryable), before_sleep=log_retry,
-                                throttle=_asked_wait, throttle_budget_s=opts.max_throttle_wait_s)
-        attempt = await policy(self._send_once, tool, content)
-        attempt.throttled_answers, attempt.throttle_wait_s = tool.backpressure.count(policy.statistics)
+        return async_retrying(attempts=1 + max(0, tool.retries), base_s=opts.backoff_base_s,
+                              max_s=opts.backoff_max_s, retry=retry_if_result(_is_retryable), before_sleep=log_retry,
+                              throttle=_asked_wait, throttle_budget_s=opts.max_throttle_wait_s)
+
+    async def _send_with_retries(self, tool: _Tool, content: bytes, policy: AsyncRetrying) -> tuple[_Attempt, int]:
+        """The last attempt's outcome and how many were made (1 + `retries` at most)."""
+        try:
+            attempt = await policy(self._send_once, tool, content)
+        finally:  # a cancelled call's throttled answers and waits happened too: the tool's stats count them
+            throttled, waited = tool.backpressure.count(policy.statistics)
+        attempt.throttled_answers, attempt.throttle_wait_s = throttled, waited
         attempt.concurrency = tool.backpressure.limit.limit
         return attempt, policy.statistics["attempt_number"]
+
+    def _cancelled_result(self, tool: _Tool, call_id: str, policy: AsyncRetrying, latency_s: float) -> ToolResult:
+        """A call cancelled before it ended: failed, with the throttled answers and the seconds
+        waited that its policy counted until then (none while it only waited for the cache)."""
+        throttled, waited = throttle_counts(policy.statistics)
+        error = "cancelled before the call ended"
+        return ToolResult(name=tool.endpoint.name, call_id=call_id, status="failed", output=f"error: {error}",
+                          latency_s=latency_s, error=error, throttled=throttled, throttle_wait_s=waited,
+                          concurrency=tool.backpressure.limit.limit)
 
     def backpressure_stats(self) -> dict[str, dict[str, float]]:
         """Per tool, over this client's life: answers that asked to wait, the seconds waited for
