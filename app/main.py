@@ -81,10 +81,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ).start()
         factory, queue = state.session_factory, state.queue
 
+        def grace(first: bool) -> float | None:  # workers could not heartbeat while this API was down
+            return settings.lease_seconds if first else None
+
         loops = [  # the runs whose worker went silent; due webhook deliveries
             PeriodicLoop("lease-watchdog", settings.watchdog_interval_s,
-                         lambda _first: expire_job_leases(factory, queue),
-                         lambda _first: expire_diagnostic_leases(factory, queue)),
+                         lambda first: expire_job_leases(factory, queue, restart_grace_s=grace(first)),
+                         lambda first: expire_diagnostic_leases(factory, queue, restart_grace_s=grace(first))),
             PeriodicLoop("webhook-sweeper", settings.webhook_sweep_interval_s, lambda first: sweep(
                 factory, queue.enqueue_webhook, redispatch_after_s=settings.webhook_redispatch_after_s, first=first)),
         ]

@@ -211,9 +211,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_app(app: Any, **config: Any) -> Iterator[int]:
-    """Any ASGI app under uvicorn on 127.0.0.1, in a thread; yields its port."""
-    port = free_port()
+def serve_app(app: Any, *, port: int | None = None, **config: Any) -> Iterator[int]:
+    """Any ASGI app under uvicorn on 127.0.0.1 (on `port`, or a free one), in a thread; yields its port."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -226,9 +226,9 @@ def serve_app(app: Any, **config: Any) -> Iterator[int]:
 
 
 @contextmanager
-def live_server(settings: Settings) -> Iterator[str]:
-    """The real app under uvicorn on 127.0.0.1, in a thread."""
-    with serve_app(create_app(settings)) as port:
+def live_server(settings: Settings, *, port: int | None = None) -> Iterator[str]:
+    """The real app under uvicorn on 127.0.0.1, in a thread (on `port`: the same URL again after a restart)."""
+    with serve_app(create_app(settings), port=port) as port:
         yield f"http://127.0.0.1:{port}"
 
 

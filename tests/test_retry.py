@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from app.core.retry import (
     retrying,
 )
 from tests.conftest import free_port, serve_app
-from workers.control_client import ControlPlaneClient, ControlPlaneError, LeaseLost
+from workers.control_client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnreachable, LeaseLost
 
 # --- what is transient ---------------------------------------------------------------------------
 
@@ -214,11 +215,21 @@ def test_control_client_retries_408_and_429_like_every_transient_answer(control_
 def test_control_client_gives_up_after_its_attempts_with_the_last_answer(control_plane) -> None:  # noqa: ANN001
     plane, client = control_plane
     plane.script.extend([(500, "down")] * 3 + [(503, "still down " + "x" * 600)])
-    with pytest.raises(ControlPlaneError) as raised:
+    with pytest.raises(ControlPlaneUnreachable) as raised:
         client.heartbeat("ftjob-1", "lease_1")
-    assert raised.value.status_code == 503 and raised.value.code is None
-    assert raised.value.message.startswith("still down") and raised.value.message.endswith("…")
-    assert len(plane.paths) == 4  # `attempts` in all
+    assert raised.value.status_code == 503 and raised.value.code == "control_plane_unreachable"
+    assert raised.value.message.startswith("answered 503: still down") and raised.value.message.endswith("…")
+    assert len(plane.paths) == 4  # `attempts` in all (no patience)
+
+
+def test_control_client_waits_out_an_outage_shorter_than_its_patience(control_plane) -> None:  # noqa: ANN001
+    """A restarting API answers 503 (or nothing) for a while: with patience, the call goes on past
+    its `attempts` and succeeds when the API is back."""
+    plane, client = control_plane
+    client.patience_s = 30.0
+    plane.script.extend([(503, "restarting")] * 12 + [(200, {"action": "continue", "lease_expires_at": 1})])
+    assert client.heartbeat("ftjob-1", "lease_1") == "continue"
+    assert len(plane.paths) == 13  # 4 attempts would have given up
 
 
 def test_control_client_4xx_is_final_and_lease_lost_is_raised_at_once(control_plane) -> None:  # noqa: ANN001
@@ -240,9 +251,29 @@ def test_control_client_retries_an_unreachable_control_plane_then_raises(caplog)
     client = ControlPlaneClient(f"http://127.0.0.1:{free_port()}", "worker-token", timeout_s=2, attempts=3,
                                 backoff_s=0.01, backoff_max_s=0.02)
     try:
-        with caplog.at_level(logging.WARNING, logger="workers.control_client"), pytest.raises(httpx.ConnectError):
+        with caplog.at_level(logging.WARNING, logger="workers.control_client"), \
+                pytest.raises(ControlPlaneUnreachable, match="ConnectError") as raised:
             client.heartbeat("ftjob-1", "lease_1")
     finally:
         client.close()
+    assert isinstance(raised.value.__cause__, httpx.ConnectError)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and all(m.startswith("control plane unreachable (") for m in messages)
+
+
+def test_control_client_patience_counts_from_the_last_answer_it_got() -> None:
+    """Past `patience_s` since the control plane last answered, a call gives up after its attempts:
+    the lease it holds has run out by then, and the worker gives the run back."""
+    client = ControlPlaneClient(f"http://127.0.0.1:{free_port()}", "worker-token", timeout_s=2, attempts=2,
+                                backoff_s=0.05, backoff_max_s=0.1, patience_s=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ControlPlaneUnreachable):
+            client.heartbeat("ftjob-1", "lease_1")
+        assert 1.0 <= time.monotonic() - started < 10  # it kept trying for its patience
+        started = time.monotonic()
+        with pytest.raises(ControlPlaneUnreachable):
+            client.heartbeat("ftjob-1", "lease_1")  # no answer since: no more patience, `attempts` only
+        assert time.monotonic() - started < 1.0
+    finally:
+        client.close()

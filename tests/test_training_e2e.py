@@ -17,7 +17,7 @@ import pytest
 import psycopg
 
 from app.core.config import Settings
-from tests.conftest import agent_rft_worker, jsonl, live_server, wait_for
+from tests.conftest import agent_rft_worker, free_port, jsonl, live_server, wait_for
 from tests.rl.tool_server import tool_server
 
 AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
@@ -155,9 +155,10 @@ def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(traini
     with live_server(training_settings) as base, tool_server() as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
         with celery_worker(training_settings, base) as (worker, _):
-            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=3)
-            wait_for(lambda: steps_of(pg_url, job_id), timeout=180, interval=0.2)
-            os.killpg(worker.pid, signal.SIGKILL)  # mid-run, no goodbye
+            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=1)
+            # Mid-step, no goodbye: the step's rollouts are reported, its training state not yet saved.
+            wait_for(lambda: unsaved_steps(pg_url, job_id), timeout=180, interval=0.01)
+            os.killpg(worker.pid, signal.SIGKILL)
         assert status_of(sdk, job_id) == "running"
         # The watchdog notices the silent lease and re-queues the job from its last saved step.
         wait_for(lambda: status_of(sdk, job_id) == "queued", timeout=60, interval=0.3)
@@ -171,6 +172,57 @@ def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(traini
         assert metric_steps == list(range(1, len(metric_steps) + 1)) == steps_of(pg_url, job_id)
         assert metric_steps[-1] == events[[e.type for e in events].index("metrics")].data["total_steps"]
         assert total is not None
+        assert_each_step_once(sdk, pg_url, job_id)
+
+
+def unsaved_steps(pg_url: str, job_id: str) -> list[int]:
+    """Steps whose rollouts are stored past the job's saved training state."""
+    with psycopg.connect(pg_url) as conn:
+        return [s for (s,) in conn.execute(
+            "SELECT DISTINCT r.step FROM job_rollouts r JOIN jobs j ON j.id = r.job_id "
+            "WHERE r.job_id = %s AND r.step > j.completed_steps", (job_id,))]
+
+
+def assert_each_step_once(sdk: openai.OpenAI, pg_url: str, job_id: str) -> None:
+    """Every step's metrics once, and exactly batch_size x group_size training rollouts per step
+    (2 x 2 here), in the API's listing and in its per-step filter, however often the job resumed."""
+    events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+    metric_steps = sorted(e.data["step"] for e in events if e.type == "metrics")
+    assert metric_steps == list(range(1, len(metric_steps) + 1)) == steps_of(pg_url, job_id)
+    listed = sdk.get(f"/fine_tuning/jobs/{job_id}/rollouts", cast_to=object,
+                     options={"params": {"limit": 100, "split": "train"}})["data"]
+    per_step = {step: sum(1 for r in listed if r["step"] == step) for step in metric_steps}
+    assert per_step == {step: 2 * 2 for step in metric_steps}, per_step
+    for step in metric_steps:
+        page = sdk.get(f"/fine_tuning/jobs/{job_id}/rollouts", cast_to=object,
+                       options={"params": {"step": step, "split": "train"}})["data"]
+        assert len(page) == 2 * 2, (step, len(page))
+
+
+@pytest.mark.parametrize(("lease_s", "outage_s", "resumed"), [
+    (30, 10, False),  # shorter than the lease: the worker waits it out and goes on
+    (4, 10, True),    # longer: the worker gives the job back; it resumes from its last saved step
+])
+def test_an_api_restart_never_fails_a_running_job(training_settings, project, pg_url, lease_s, outage_s, resumed):
+    """A deploy of the API: stopped after step 1 and started again `outage_s` later at the same
+    address. The job succeeds either way, each step's metrics and rollouts exactly once."""
+    training_settings.lease_seconds = lease_s
+    port = free_port()
+    with tool_server() as (tool_url, _), celery_worker(training_settings, f"http://127.0.0.1:{port}") as (_, log):
+        with live_server(training_settings, port=port) as base, \
+                openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
+            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=1)
+            wait_for(lambda: steps_of(pg_url, job_id), timeout=180, interval=0.1)
+        time.sleep(outage_s)
+        with live_server(training_settings, port=port) as base, \
+                openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
+            wait_for(lambda: status_of(sdk, job_id) in ("succeeded", "failed", "cancelled"), timeout=240, interval=0.5)
+            job = sdk.fine_tuning.jobs.retrieve(job_id)
+            assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+            requeued = [e.message for e in sdk.fine_tuning.jobs.list_events(job_id, limit=100)
+                        if "stopped sending heartbeats" in e.message]
+            assert bool(requeued) == resumed, requeued
+            assert_each_step_once(sdk, pg_url, job_id)
 
 
 def steps_of(pg_url: str, job_id: str) -> list[int]:

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from tenacity import RetryCallState
 
 from pydantic import BaseModel
 
-from app.core.retry import excerpt, retrying
+from app.core.retry import excerpt, retryable_status, retrying
 from app.core.worker_schemas import HeartbeatResponse
 from app.diagnostics.schemas import DiagnosticObject
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse, DiagnosticFinishResult, DiagnosticRolloutResult, JobDiagnostic
@@ -58,6 +59,12 @@ class LeaseLost(ControlPlaneError):
     """The lease expired and the job went to another worker: stop touching it."""
 
 
+class ControlPlaneUnreachable(ControlPlaneError):
+    """The control plane did not answer (or answered only 5xx, 408 or 429) for as long as the
+    client's patience allows: give the run back rather than fail it. Its lease then expires and
+    the watchdog re-queues the run from its last saved state."""
+
+
 _ERRORS = {"lease_held": LeaseHeld, "not_claimable": NotClaimable, "lease_lost": LeaseLost}
 
 
@@ -69,20 +76,34 @@ class ControlPlaneClient:
     and the trainer's hooks alike."""
 
     def __init__(self, api_url: str, token: str, *, timeout_s: float = 30.0, attempts: int = 5,
-                 backoff_s: float = 0.5, backoff_max_s: float = 8.0) -> None:
+                 backoff_s: float = 0.5, backoff_max_s: float = 8.0, patience_s: float = 0.0) -> None:
         self.http = httpx.Client(base_url=api_url.rstrip("/") + "/internal/v1", timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {token}"})
         self.attempts, self.backoff_s, self.backoff_max_s = attempts, backoff_s, backoff_max_s
+        # A restart or deploy of the API must not end a run: a call keeps retrying while the last
+        # answer from the control plane is less than `patience_s` old (a worker's lease length:
+        # past it, the control plane counts the run as abandoned anyway).
+        self.patience_s = patience_s
+        self.last_answer_at = time.monotonic()
 
     def close(self) -> None:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Retry what app.core.retry calls transient: connection errors, timeouts, 408, 429 and
-        5xx (every internal call is idempotent). Any other 4xx, 409 lease_lost included, is final."""
+        5xx (every internal call is idempotent), at least `attempts` times and for as long as the
+        patience lasts; then ControlPlaneUnreachable. Any other 4xx, 409 lease_lost included, is final."""
         policy = retrying(attempts=self.attempts, base_s=self.backoff_s, max_s=self.backoff_max_s,
-                          before_sleep=_log_retry)
-        return self._checked(policy(self.http.request, method, path, **kwargs))
+                          before_sleep=_log_retry, until=lambda: self.last_answer_at + self.patience_s)
+        try:
+            response = policy(self.http.request, method, path, **kwargs)
+        except (httpx.TransportError, TimeoutError) as exc:
+            raise ControlPlaneUnreachable(503, "control_plane_unreachable", f"{type(exc).__name__}: {exc}") from exc
+        if retryable_status(response.status_code):
+            raise ControlPlaneUnreachable(response.status_code, "control_plane_unreachable",
+                                          f"answered {response.status_code}: {excerpt(response.text, 500)}")
+        self.last_answer_at = time.monotonic()
+        return self._checked(response)
 
     @staticmethod
     def _checked(response: httpx.Response) -> httpx.Response:
@@ -180,7 +201,8 @@ def _log_retry(retry_state: RetryCallState) -> None:
 
 class Heartbeat(threading.Thread):
     """Keeps the lease alive from its own thread (training blocks the event loop for seconds at
-    a time) and remembers what the control plane asked for: continue, pause, cancel, or lost."""
+    a time) and remembers what the control plane asked for: continue, pause, cancel, lost, or
+    unreachable (no answer for the client's patience)."""
 
     def __init__(self, client: ControlPlaneClient, run_id: str, lease_id: str, interval_s: float,
                  call: Callable[[str, str], str] | None = None) -> None:
@@ -195,7 +217,10 @@ class Heartbeat(threading.Thread):
             self.action = self.call(self.run_id, self.lease_id)
         except LeaseLost:
             self.action = "lost"
-        except (ControlPlaneError, httpx.TransportError) as exc:
+        except ControlPlaneUnreachable as exc:  # a lease's time without an answer: give the run back
+            log.warning("heartbeat for %s: %s", self.run_id, exc)
+            self.action = "unreachable"
+        except ControlPlaneError as exc:
             log.warning("heartbeat for %s failed: %s", self.run_id, exc)
         return self.action
 

@@ -14,9 +14,12 @@ import time
 from typing import Any
 
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse
-from workers.control_client import ControlPlaneClient, Heartbeat, LeaseHeld
+from workers.control_client import ControlPlaneClient, ControlPlaneUnreachable, Heartbeat, LeaseHeld, LeaseLost
 
 log = logging.getLogger(__name__)
+# A run this worker stopped without reporting an end: the control plane could not be reached (or
+# took the run away); its lease expires and the watchdog re-queues it.
+GIVEN_BACK = "given_back"
 
 
 class DiagnosticRun:
@@ -32,11 +35,15 @@ class DiagnosticRun:
                                    call=client.diagnostic_heartbeat)
 
     async def run(self, *, loaded: Any = None, rows: list[dict[str, Any]] | None = None) -> str:
-        """succeeded, failed, cancelled, or lost (another worker has it now). Never raises."""
+        """succeeded, failed, cancelled, lost (another worker has it now) or given_back (the control
+        plane could not be reached: no end is reported). Never raises."""
         self.heartbeat.start()
         error = None
         try:
             status = await self._run(loaded, rows)
+        except (ControlPlaneUnreachable, LeaseLost) as exc:
+            log.warning("diagnostic %s given back (%s): it resumes once its lease expires", self.id, exc)
+            return GIVEN_BACK
         except Exception as exc:  # noqa: BLE001 - a diagnostic ends with a reason, never a crashed worker
             log.exception("diagnostic %s failed", self.id)
             status = "failed"
@@ -92,6 +99,8 @@ class DiagnosticRun:
 
     async def control(self) -> str:
         action = await asyncio.to_thread(self.heartbeat.beat)
+        if "unreachable" in (action, self.outer.action if self.outer else None):
+            raise ControlPlaneUnreachable(503, "control_plane_unreachable", "no heartbeat answer for a lease's time")
         if action != "continue" or (self.outer is not None and self.outer.action != "continue"):
             return "cancel"
         return "continue"

@@ -13,8 +13,16 @@ from typing import Any, TypeVar
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse
 from app.jobs.worker_schemas import ClaimResponse
 from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_JOB_TASK, celery_app
-from workers.control_client import ControlPlaneClient, Heartbeat, LeaseHeld, NotClaimable, worker_id
-from workers.diagnostics import DiagnosticRun, claim_with_patience
+from workers.control_client import (
+    ControlPlaneClient,
+    ControlPlaneUnreachable,
+    Heartbeat,
+    LeaseHeld,
+    LeaseLost,
+    NotClaimable,
+    worker_id,
+)
+from workers.diagnostics import GIVEN_BACK, DiagnosticRun, claim_with_patience
 
 log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
@@ -31,11 +39,12 @@ def _run_claimed(task: Any, kind: str, run_id: str, claim: Callable[[ControlPlan
     from app.core.config import get_settings
 
     settings = get_settings()
-    client = ControlPlaneClient(settings.api_url, settings.worker_token.get_secret_value())
+    client = ControlPlaneClient(settings.api_url, settings.worker_token.get_secret_value(),
+                                patience_s=settings.lease_seconds)
     try:
         try:
             claimed = claim(client)
-        except LeaseHeld as exc:
+        except (LeaseHeld, ControlPlaneUnreachable) as exc:
             raise task.retry(countdown=LEASE_RETRY_COUNTDOWN_S, exc=exc) from exc
         except NotClaimable as exc:
             log.info("%s %s not claimable: %s", kind, run_id, exc.message)
@@ -73,9 +82,13 @@ class JobRun:
         self.work_dir = Path(settings.resolved_checkpoint_dir) / self.job_id
 
     def run(self) -> dict[str, Any]:
+        from workers.rl.trainer import RunInterrupted
+
         self.heartbeat.start()
         try:
             outcome = asyncio.run(self._train())
+        except (RunInterrupted, ControlPlaneUnreachable, LeaseLost) as exc:
+            return self._give_back(exc)
         except Exception as exc:  # noqa: BLE001 - anything that escapes the trainer fails the job, with the reason
             log.exception("job %s failed", self.job_id)
             error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
@@ -86,6 +99,14 @@ class JobRun:
         if self.heartbeat.action != "lost":
             self._finish(outcome.status, error=outcome.error, trained_tokens=outcome.trained_tokens)
         return {"job_id": self.job_id, "status": outcome.status, "steps": outcome.completed_steps}
+
+    def _give_back(self, exc: Exception) -> dict[str, Any]:
+        """Stop without reporting an end: the control plane cannot be reached (or took the job
+        away), and an outage of the control plane is no failure of the job. Its lease expires, and
+        the watchdog re-queues it from the last saved step."""
+        log.warning("job %s given back (%s): it resumes from its last saved step once its lease expires",
+                    self.job_id, exc)
+        return {"job_id": self.job_id, "status": GIVEN_BACK}
 
     def _finish(self, status: str, **kwargs: Any) -> None:
         try:
@@ -141,10 +162,14 @@ class JobDiagnostic:
 
     async def run(self, loaded: Any, rows: list[dict[str, Any]]) -> Any:
         """The rows to train on, or the TrainingOutcome that ends the job here."""
+        from workers.rl.trainer import RunInterrupted
+
         run = self.run_
         found = await asyncio.to_thread(run.client.job_diagnostic, run.job_id, run.lease_id)
         if found.status != "succeeded":
             status = await self._run_it(found.id, loaded, rows)
+            if status == GIVEN_BACK:
+                raise RunInterrupted(f"the control plane could not be reached during diagnostic {found.id}")
             if status != "succeeded":
                 return await self._stopped(found.id, status)
         diagnostic = await asyncio.to_thread(run.client.diagnostic, found.id)
@@ -208,7 +233,12 @@ class ControlHooks:
         self._events = 0
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, self.job_id, self.lease_id, *args, **kwargs)
+        from workers.rl.trainer import RunInterrupted
+
+        try:
+            return await asyncio.to_thread(fn, self.job_id, self.lease_id, *args, **kwargs)
+        except (ControlPlaneUnreachable, LeaseLost) as exc:  # not the training's fault: see JobRun._give_back
+            raise RunInterrupted(str(exc)) from exc
 
     async def on_step(self, step: int, metrics: dict[str, Any], train_records: list[dict[str, Any]]) -> None:
         await self._call(self.client.push_rollouts, step, "train", train_records)
@@ -225,7 +255,11 @@ class ControlHooks:
                          resolved_hyperparameters=self.resolved, trained_tokens=trained_tokens)
 
     async def control(self) -> str:
+        from workers.rl.trainer import RunInterrupted
+
         action = await asyncio.to_thread(self.run.heartbeat.beat)
+        if action == "unreachable":  # do not train a step that could not be reported
+            raise RunInterrupted("the control plane did not answer the heartbeat for a lease's time")
         return "cancel" if action == "lost" else action
 
     async def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:

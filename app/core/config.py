@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     )
     lease_seconds: int = Field(
         60, ge=1,
-        description="How long a worker's claim on a job lasts without a heartbeat; the watchdog re-queues the job after that.",
+        description="How long a worker's claim on a job lasts without a heartbeat; the watchdog re-queues the job after that. Also how long a worker waits out an unreachable API before it gives the job back (docs/operations.md).",
     )
     watchdog_interval_s: float = Field(10.0, gt=0, description="How often the API looks for jobs whose worker lease expired.")
     webhook_queue: str = Field("webhooks", description="Celery queue that webhook deliveries are sent to.")

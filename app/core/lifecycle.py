@@ -208,6 +208,19 @@ def expire_leases(session: Session, model: type[Run], *, now: datetime,
     return resend
 
 
+def extend_leases_for_restart(session: Session, model: type[Run], *, now: datetime, seconds: float) -> int:
+    """At the control plane's start, give every running row's lease at least `seconds` more: its
+    worker could not heartbeat while no API was up to hear it, so the time the control plane was
+    down (a restart, a deploy) is not counted against the worker. A worker that died meanwhile is
+    noticed one lease later. Returns how many leases were extended."""
+    until = now + timedelta(seconds=seconds)
+    running = (model.status == RUNNING) & model.lease_id.is_not(None) & (model.lease_expires_at < until)
+    rows = list(session.scalars(select(model).where(running).with_for_update(skip_locked=True)))
+    for row in rows:
+        row.lease_expires_at = until
+    return len(rows)
+
+
 class PeriodicLoop(threading.Thread):
     """Runs each of `rounds` (called with `first`, True the first time) at start and then every
     `interval_s` seconds until stopped. A round's error is logged and the others, and the next

@@ -189,28 +189,43 @@ def _last_outcome(retry_state: RetryCallState) -> Any:
     return retry_state.outcome.result()  # type: ignore[union-attr]  # returns the result or raises the exception
 
 
+class _StopAfterDeadline(stop_base):
+    """Stops once time.monotonic() has passed `deadline()` (read at every failed attempt, so the
+    caller may move it while the call is retrying)."""
+
+    def __init__(self, deadline: Callable[[], float]) -> None:
+        self.deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return time.monotonic() >= self.deadline()
+
+
 def _policy(attempts: int, retry: retry_base, base_s: float, max_s: float,
             before_sleep: Callable[[RetryCallState], Any] | None, sleep: Callable[[float], Any],
             throttle: Callable[[RetryCallState], float | None] | None = None,
-            throttle_budget_s: float = math.inf) -> dict[str, Any]:
+            throttle_budget_s: float = math.inf, until: Callable[[], float] | None = None) -> dict[str, Any]:
     stop: stop_base = stop_after_attempt(max(1, attempts))
     wait: wait_base = Backoff(base_s, max_s)
     if throttle is not None:
         throttling = _Throttling(throttle, throttle_budget_s, sleep)
         stop, wait = _StopAfterSpent(max(1, attempts), throttling), _WaitAsAsked(Backoff(base_s, max_s), throttling)
         sleep = throttling.sleep
+    if until is not None:  # at least `attempts`, and on until the deadline
+        stop = stop & _StopAfterDeadline(until)
     return {"stop": stop, "retry": retry, "wait": wait, "sleep": sleep, "before_sleep": before_sleep,
             "retry_error_callback": _last_outcome}
 
 
 def retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = retry_transient_http,
              before_sleep: Callable[[RetryCallState], Any] | None = None,
-             sleep: Callable[[float], None] = time.sleep) -> Retrying:
-    """A synchronous policy: `retrying(...)(fn, *args)` calls fn up to `attempts` times in all.
+             sleep: Callable[[float], None] = time.sleep, until: Callable[[], float] | None = None) -> Retrying:
+    """A synchronous policy: `retrying(...)(fn, *args)` calls fn up to `attempts` times in all, or,
+    with `until` (a time.monotonic() deadline, read after each failure), at least `attempts` times
+    and then on while the deadline has not passed.
 
     Make one per call: its `statistics["attempt_number"]` then counts that call's attempts.
     """
-    return Retrying(**_policy(attempts, retry, base_s, max_s, before_sleep, sleep))
+    return Retrying(**_policy(attempts, retry, base_s, max_s, before_sleep, sleep, until=until))
 
 
 def async_retrying(*, attempts: int, base_s: float, max_s: float, retry: retry_base = retry_transient_http,

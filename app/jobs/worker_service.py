@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
 from app.auth.models import Project
@@ -22,7 +22,7 @@ from app.files import service as files
 from app.files.storage import Storage
 from app.jobs import service as jobs
 from app.jobs import step_metrics
-from app.jobs.models import Checkpoint, Job, JobMetric, JobRollout, JobStep, WorkerEventKey
+from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.jobs.tool_headers import open_headers
 from app.jobs.worker_schemas import (
@@ -66,6 +66,7 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
     claim_run(job, worker_id, lease_seconds=settings.lease_seconds, now=utcnow(),
               start=lambda: transition(session, job, S.RUNNING, message=f"Job started on worker {worker_id}"),
               took_over=lambda previous: _note_takeover(session, job, previous, worker_id))
+    drop_unsaved_steps(session, job)
     return ClaimResponse(lease_id=job.lease_id, lease_expires_at=unix(job.lease_expires_at), job=ClaimedJob(
         id=job.id, project_id=job.project_id, project_name=_project_name(session, job), model=job.model,
         training_file=job.training_file, validation_file=job.validation_file,
@@ -73,6 +74,27 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
         suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
         resolved_hyperparameters=job.resolved_hyperparameters,
     ))
+
+
+def drop_unsaved_steps(session: Session, job: Job) -> None:
+    """Forget what an earlier attempt reported past the job's saved training state. A claim resumes
+    from `completed_steps`, so the steps after it are sampled and trained again: the records of the
+    attempt that died there (rollouts, step metrics, their metrics events, checkpoint rows) would
+    otherwise stand beside the new ones and be counted twice. A dropped checkpoint's files are
+    written again, at the same path, when the new attempt reaches its step."""
+    after = job.completed_steps
+    for table in (JobRollout, JobMetric, JobStep):
+        session.execute(delete(table).where(table.job_id == job.id, table.step > after))
+    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step_number > after))
+    events = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.type == "metrics"))
+    for event in events:  # a step's metrics event carries its step in the data (one per step)
+        if _event_step(event) > after:
+            session.delete(event)
+
+
+def _event_step(event: JobEvent) -> int:
+    step = (event.data or {}).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else 0
 
 
 def heartbeat(*, session: Session, settings: Settings, job_id: str, lease_id: str) -> HeartbeatResponse:

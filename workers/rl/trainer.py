@@ -76,6 +76,12 @@ class TrainingOutcome:
     final_checkpoint: Path | None
 
 
+class RunInterrupted(Exception):
+    """Raised by a hook when this worker can no longer carry the run for a reason outside training
+    (its control plane is out of reach, or took the run away): the trainer stops at once and
+    reports nothing, so the run resumes elsewhere from its last saved state. Never a failure."""
+
+
 class StepFailure(Exception):
     """A step that must fail the job with an OpenAI-style error code."""
 
@@ -105,9 +111,12 @@ class Trainer:
 
     async def run(self) -> TrainingOutcome:
         """Train until done, paused, cancelled or failed. Never raises for a training problem:
-        every failure is an outcome with an error code, announced by an error event."""
+        every failure is an outcome with an error code, announced by an error event. A hook's
+        RunInterrupted passes through."""
         try:
             return await self._run()
+        except RunInterrupted:
+            raise
         except StepFailure as failure:
             return await self._failed(failure.code, failure.message, failure.data)
         except Exception as exc:  # noqa: BLE001 - a job must end with a reason, never a crashed worker
