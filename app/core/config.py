@@ -52,6 +52,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Comma-separated hosts or CIDRs that outbound calls to user URLs (tools, graders, webhooks) may reach despite the SSRF guard, e.g. `127.0.0.1,localhost` for local development. Empty by default.",
     )
+    vllm_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated base URLs of vLLM servers (e.g. `http://vllm-0:8000,http://vllm-1:8000`) that sample the rollouts of LoRA jobs instead of the worker's in-process engine (x_open_model.sampler; docs/vllm.md). Read by workers. Empty: the engine samples.",
+    )
+    vllm_api_key: SecretStr | None = Field(None, description="Bearer token the vLLM servers were started with (`--api-key`), if any.")
     api_url: str = Field(
         "http://127.0.0.1:8000",
         description="URL of the control plane as workers reach it.",
@@ -175,7 +180,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
 
-    @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", "secret_keys", mode="before")
+    @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", "secret_keys", "vllm_urls",
+                     mode="before")
     @classmethod
     def _split_comma_list(cls, value: object) -> object:
         if isinstance(value, str):

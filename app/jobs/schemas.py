@@ -139,6 +139,18 @@ class OpenModelOptions(BaseModel):
                             "LoRA adapters and the optimizer stay in float32.")
     diagnostic: JobDiagnosticOptions | None = Field(
         None, description="Run the variance diagnostic before training (docs/diagnostics.md).")
+    sampler: Literal["auto", "engine", "vllm"] = Field(
+        "auto", description="What samples the rollouts: the worker's in-process engine, or the deployment's vLLM "
+                            "servers (AGENT_RFT_VLLM_URLS; LoRA only). auto: vLLM where the worker has servers and "
+                            "training_mode is lora, else the engine (docs/vllm.md).")
+
+    @model_validator(mode="after")
+    def _vllm_samples_lora_only(self) -> "OpenModelOptions":
+        if self.sampler == "vllm" and self.training_mode == "full":
+            raise ValueError("sampler 'vllm' samples LoRA policies only: after every step the worker loads the new "
+                             "adapter on the servers, and reloading a full model's weights on them each step is not "
+                             "supported. Use training_mode 'lora', or sampler 'engine' for full fine-tuning.")
+        return self
 
 
 class TrainingOptions(BaseModel):

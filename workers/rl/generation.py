@@ -42,6 +42,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()  # e.g. "</tool_call>": checked on the decoded tail
     prefix: KVPrefix | None = None  # the cache of context_ids[:prefix.length], if kept
     keep_cache: bool = False  # hand back the row's cache (GenerationOutput.cache) for its next turn
+    affinity: str | None = None  # requests with the same key (a rollout's turns) go to the same server, if several
 
 
 @dataclass

@@ -260,6 +260,16 @@ def load_model(
     return LoadedModel(model, tokenizer, source.name, torch_device, torch_dtype, source, location)
 
 
+def model_directory(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The directory of safetensors and tokenizer files that `name` loads from (converted into the
+    cache first for the built-in and GGUF models): what an inference server such as vLLM is given
+    to serve the same weights. UnknownModel for a Hub id, which a server loads by its id."""
+    source = resolve_model(name)
+    if source.kind == "hub":
+        raise UnknownModel(f"{name!r} is a Hugging Face id: serve it by that id")
+    return Path(_pretrained_location(source, model_cache_dir(cache_dir))[0])
+
+
 def _pretrained_location(source: ModelSource, root: Path) -> tuple[str, dict[str, Any]]:
     """What to pass to from_pretrained: a directory (converted into the cache first where the
     source is GGUF or tiny) or a Hub id, plus keyword arguments for the Hub."""

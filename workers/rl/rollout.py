@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 import uuid
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from workers.rl.generation import DecodeBatch, GenerationOutput, GenerationRequest, KVPrefix
-from workers.rl.models import release_freed_memory, sampling_weights
+from workers.rl.generation import GenerationOutput, GenerationRequest, KVPrefix
+from workers.rl.sampler import InProcessSampler, Sampler, SamplingSession
 from workers.rl.prompting import (
     ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
 )
@@ -143,142 +141,16 @@ class RolloutRecord:
         return data
 
 
-class _Batcher:
-    """Continuous batching across every rollout of a run: one DecodeBatch on a generation thread;
-    a rollout's request joins it at the next decode step, and its turn comes back the moment it is
-    done (its tool calls start while other rows still decode). Each rollout's attention cache is
-    kept across its tool calls within `kv_cache_mb`; over that, a turn re-prefills its context."""
-
-    def __init__(self, model: Any, *, pad_token_id: int, config: EngineConfig, decode: Any) -> None:
-        self.model, self.pad_token_id, self.config, self.decode = model, pad_token_id, config, decode
-        self.pending: list[tuple[GenerationRequest, asyncio.Future[GenerationOutput]]] = []
-        self.lock = threading.Lock()  # pending is filled in the event loop and taken by the generation thread
-        self.wake = asyncio.Event()
-        self.generation_s = 0.0  # time the generation thread was busy, for reporting
-        self.timings: dict[str, float] = {}  # of that time: prefill_s and decode_s (DecodeBatch)
-        self.prefill_tokens = 0  # tokens fed by prefills
-        self.prefill_rows: list[int] = []  # requests joined by each prefill
-        self.largest_batch = 0  # most rows decoding at once
-        self.kept_bytes = 0  # held by the caches rollouts keep between turns (bounded by kv_cache_mb)
-        self.live = 0  # rollouts not finished: each is either pending here or busy with tool calls
-        self.closed = False
-
-    @property
-    def keeps_caches(self) -> bool:
-        return self.config.kv_cache_mb > 0
-
-    def started(self) -> None:
-        self.live += 1
-
-    def finished(self) -> None:
-        self.live -= 1
-        self.wake.set()  # the batch may have been waiting for this rollout
-
-    def release(self, cache: KVPrefix | None) -> None:
-        """A kept cache that will not be used again (its rollout ended, or it was handed back)."""
-        if cache is not None:
-            with self.lock:
-                self.kept_bytes -= cache.nbytes
-
-    async def generate(self, request: GenerationRequest) -> GenerationOutput:
-        future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
-        with self.lock:
-            self.pending.append((request, future))
-        self.wake.set()
-        return await future
-
-    def close(self) -> None:
-        """The run is over: the generation thread stops at its next step and `run` returns."""
-        self.closed = True
-        self.wake.set()
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self.closed:
-            await self.wake.wait()
-            self.wake.clear()
-            for _ in range(3):  # let rollouts that just got their tool results join this batch
-                await asyncio.sleep(0)
-            if not self.pending:
-                continue
-            await self._gather()  # the first prefill of a run takes every rollout (and shares prompts)
-            started = time.perf_counter()
-            try:
-                await asyncio.to_thread(self._generate, loop)
-            finally:
-                self.generation_s += time.perf_counter() - started
-            if self.pending:
-                self.wake.set()
-
-    def _generate(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Until no row is left and nobody waits: join the waiting requests, decode one step, hand back
-        the finished turns (on the generation thread)."""
-        batch = DecodeBatch(self.model, pad_token_id=self.pad_token_id, temperature=self.config.temperature,
-                            top_p=self.config.top_p, decode=self.decode, timings=self.timings)
-        joining: list[tuple[asyncio.Future[GenerationOutput], GenerationRequest]] = []
-        try:
-            while not self.closed:
-                joining = self._take(self.config.max_batch_size - len(batch))
-                if joining:
-                    self._hand_back(loop, batch.add(joining))
-                if not batch:
-                    return
-                self._hand_back(loop, batch.step())
-        except Exception as exc:  # noqa: BLE001 - fail the rollouts waiting on this batch, not the loop
-            for future in [*(row.key for row in batch.rows), *(future for future, _ in joining)]:
-                loop.call_soon_threadsafe(_fail, future, exc)
-        finally:
-            self.prefill_tokens += batch.prefill_tokens
-            self.prefill_rows += batch.prefill_rows
-            self.largest_batch = max(self.largest_batch, batch.largest)
-
-    def _take(self, room: int) -> list[tuple[asyncio.Future[GenerationOutput], GenerationRequest]]:
-        with self.lock:
-            taken, self.pending = self.pending[:max(room, 0)], self.pending[max(room, 0):]
-            for request, _ in taken:
-                if request.prefix is not None:
-                    self.kept_bytes -= request.prefix.nbytes  # copied into the batch's cache
-        return [(future, request) for request, future in taken]
-
-    def _hand_back(self, loop: asyncio.AbstractEventLoop, finished: list[tuple[Any, GenerationOutput]]) -> None:
-        for future, output in finished:
-            if output.cache is not None:
-                with self.lock:
-                    if self.kept_bytes + output.cache.nbytes > self.config.kv_cache_mb * 2**20:
-                        output.cache = None  # over the bound: this rollout's next turn re-prefills
-                    else:
-                        self.kept_bytes += output.cache.nbytes
-            loop.call_soon_threadsafe(_resolve, future, output)
-
-    async def _gather(self) -> None:
-        """Wait (at most batch_wait_s) until every live rollout is waiting for the model, or a full batch is."""
-        deadline = time.perf_counter() + self.config.batch_wait_s
-        while len(self.pending) < min(self.live, self.config.max_batch_size):
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                return
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout=remaining)
-            except TimeoutError:
-                return
-
-
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-
-
 class RolloutEngine:
+    """Runs rollouts: the episodes' logic here, generation through `sampler` (workers/rl/sampler.py);
+    by default the in-process engine on `model`."""
+
     def __init__(self, model: Any, tokenizer: Any, formatter: ChatFormatter, tool_client: Any,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, sampler: Sampler | None = None) -> None:
         self.model, self.tokenizer, self.formatter, self.tools = model, tokenizer, formatter, tool_client
         self.config = config or EngineConfig()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.sampler = sampler or InProcessSampler(model, pad_token_id=pad, config=self.config, decode=formatter.decode)
         self.max_context = self.config.max_context_tokens or getattr(model.config, "max_position_embeddings", 8192)
         self.stop_token_ids = frozenset(formatter.stop_token_ids())
         self.stop_strings = tuple(formatter.parser.stop_strings)
@@ -291,24 +163,20 @@ class RolloutEngine:
         self.largest_batch = 0
 
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batcher = _Batcher(self.model, pad_token_id=pad, config=self.config, decode=self.formatter.decode)
-        with sampling_weights(self.model) if self.config.sampling_weights else nullcontext():
-            loop_task = asyncio.create_task(batcher.run())
-            try:
-                return list(await asyncio.gather(*(self._rollout(spec, batcher) for spec in specs)))
-            finally:
-                batcher.close()
-                await loop_task  # the generation thread's last step, so the model is free and the counts final
-                self._keep_counts(batcher)
+        session: SamplingSession | None = None
+        try:
+            async with self.sampler.session() as session:
+                return list(await asyncio.gather(*(self._rollout(spec, session) for spec in specs)))
+        finally:
+            if session is not None:  # read once the session is over, so the counts are final
+                self._keep_counts(session)
 
-    def _keep_counts(self, batcher: _Batcher) -> None:
-        self.generation_s, self.generation_timings = batcher.generation_s, dict(batcher.timings)
-        self.prefill_tokens, self.prefill_rows = batcher.prefill_tokens, batcher.prefill_rows
-        self.largest_batch = batcher.largest_batch
-        release_freed_memory()  # the run's KV caches, of new shapes every run (models.release_freed_memory)
+    def _keep_counts(self, session: SamplingSession) -> None:
+        self.generation_s, self.generation_timings = session.generation_s, dict(session.timings)
+        self.prefill_tokens, self.prefill_rows = session.prefill_tokens, session.prefill_rows
+        self.largest_batch = session.largest_batch
 
-    async def _rollout(self, spec: RolloutSpec, batcher: _Batcher) -> RolloutRecord:
+    async def _rollout(self, spec: RolloutSpec, batcher: SamplingSession) -> RolloutRecord:
         started = time.perf_counter()
         record = RolloutRecord(trace_id=f"trace_{uuid.uuid4().hex}", sample_index=spec.sample_index,
                                messages=list(spec.messages))
@@ -326,7 +194,8 @@ class RolloutEngine:
 class _Episode:
     """One rollout's turn loop."""
 
-    def __init__(self, engine: RolloutEngine, spec: RolloutSpec, record: RolloutRecord, batcher: _Batcher) -> None:
+    def __init__(self, engine: RolloutEngine, spec: RolloutSpec, record: RolloutRecord,
+                 batcher: SamplingSession) -> None:
         self.engine, self.spec, self.record, self.batcher = engine, spec, record, batcher
         self.cfg = engine.config
         self.fmt = engine.formatter
@@ -407,7 +276,8 @@ class _Episode:
                                     seed=self.spec.seed * 1000 + record.turns,
                                     stop_token_ids=self.engine.stop_token_ids,
                                     stop_strings=self.engine.stop_strings,
-                                    prefix=self.kv, keep_cache=self.batcher.keeps_caches)
+                                    prefix=self.kv, keep_cache=self.batcher.keeps_caches,
+                                    affinity=record.trace_id)
         self.kv = None  # handed to the batch (the batcher accounts for it)
         output = await self.batcher.generate(request)
         self.kv, output.cache = output.cache, None

@@ -37,6 +37,7 @@ from workers.rl.hyperparameters import TrainingConfig, total_steps_for
 from workers.rl.models import LoadedModel, save_model_dir, training_mode
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import RolloutEngine
+from workers.rl.sampler import Sampler, SamplerUnavailable
 from workers.rl.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
 from workers.rl.training_state import TrainingProgress, load_training_state, save_training_state
 from workers.rl.update import (
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "state"
 CHECKPOINT_DIR = "checkpoints"
+POLICY_DIR = "policy"  # the current LoRA adapter, for a sampler in another process
 
 
 class TrainingHooks(Protocol):
@@ -93,11 +95,13 @@ class StepFailure(Exception):
 class Trainer:
     def __init__(self, *, loaded: LoadedModel, config: TrainingConfig, train_rows: list[dict], valid_rows: list[dict],
                  grader: Any, grader_ctx: GraderContext, tool_client: Any, job_tools: list[dict], work_dir: Path,
-                 hooks: TrainingHooks, resume_state: Path | None = None) -> None:
+                 hooks: TrainingHooks, resume_state: Path | None = None, sampler: Sampler | None = None) -> None:
         self.loaded, self.config = loaded, config
         self.train_rows, self.valid_rows = train_rows, valid_rows
         self.grader, self.grader_ctx, self.tool_client = grader, grader_ctx, tool_client
         self.job_tools, self.hooks, self.resume_state = job_tools, hooks, resume_state
+        self.sampler = sampler  # None: the in-process engine on the model being trained
+        self.failovers_reported = 0
         self.work_dir = Path(work_dir)
         self.total_steps = total_steps_for(len(train_rows), config.batch_size, config.n_epochs)
         self.progress = TrainingProgress()
@@ -119,6 +123,8 @@ class Trainer:
             raise
         except StepFailure as failure:
             return await self._failed(failure.code, failure.message, failure.data)
+        except SamplerUnavailable as exc:
+            return await self._failed("sampler_unavailable", f"at step {self.progress.step + 1}: {exc}", {})
         except Exception as exc:  # noqa: BLE001 - a job must end with a reason, never a crashed worker
             if _is_out_of_memory(exc):
                 return await self._failed("out_of_memory", f"out of memory at step {self.progress.step + 1}: {exc}. "
@@ -130,6 +136,8 @@ class Trainer:
     async def _run(self) -> TrainingOutcome:
         await asyncio.to_thread(self._setup)
         await self._announce_start()
+        if self.progress.step > 0:  # resumed: the sampler starts from the restored policy
+            await self._publish_policy(self.progress.step)
         while self.progress.step < self.total_steps:
             decision = await self.hooks.control()
             if decision == "cancel":
@@ -200,7 +208,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, weight_decay=0.0)
         tokenizer = self.loaded.tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.engine = RolloutEngine(self.loaded.model, tokenizer, ChatFormatter(tokenizer), self.tool_client, c.engine)
+        self.engine = RolloutEngine(self.loaded.model, tokenizer, ChatFormatter(tokenizer), self.tool_client, c.engine,
+                                    sampler=self.sampler)
         self.loss_settings = LossSettings(c.loss, c.clip_epsilon, c.kl_coef, c.engine.temperature,
                                           c.engine.max_tokens_per_rollout)
         if self.resume_state is not None:
@@ -250,6 +259,8 @@ class Trainer:
         self._check_failure_rates(step, graded)
         sequences, zero_spread_groups = train_sequences(graded, c.group_size, c.loss)
         stats = await asyncio.to_thread(self._update, sequences)
+        sampled_with = self.engine.sampler.policy_version
+        await self._publish_policy(step)
         clock.lap("training")
         valid = await self._evaluate() if step % c.eval_interval == 0 or step == self.total_steps else None
         clock.lap("eval")
@@ -257,7 +268,9 @@ class Trainer:
                                n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=len(rows),
                                timing=clock.report(sampling, stats), sampling=sampling, valid=valid,
                                learning_rate=self.optimizer.param_groups[0]["lr"], graders=graders)
+        metrics["train"]["policy_version"] = sampled_with
         await self._warn_about_exclusions(step, graded)
+        await self._report_failovers(step)
         await self.hooks.on_step(step, metrics, [g.report() for g in graded])
         if valid is not None:
             await self.hooks.on_eval(step, valid["reward_mean"], valid["records"])
@@ -301,6 +314,31 @@ class Trainer:
                 f"({grader_rate:.0%}), above the limit of {c.max_grader_failure_rate:.0%}. First failure: {detail}"),
                 {"step": step, "grader_failure_rate": grader_rate, "threshold": c.max_grader_failure_rate,
                  "grader_failures": len(grader_failures), "rollouts_graded": len(graded_ok)})
+
+    async def _publish_policy(self, version: int) -> None:
+        """Hand the sampler the policy after `version` optimizer steps; a sampler outside this
+        process (vLLM) reads the LoRA adapter from work_dir/policy/v<version>."""
+        sampler = self.engine.sampler
+        if not getattr(sampler, "needs_adapter_files", False):
+            await sampler.publish_policy(version, None)
+            return
+        if self.config.training_mode != "lora":
+            raise StepFailure("sampler_unsupported", "This sampler samples LoRA policies only.")
+        folder = self.work_dir / POLICY_DIR / f"v{version}"
+        await asyncio.to_thread(self.model.save_pretrained, str(folder))
+        await sampler.publish_policy(version, folder)
+        for old in (self.work_dir / POLICY_DIR).iterdir():  # the servers unloaded the older versions
+            if old != folder:
+                await asyncio.to_thread(shutil.rmtree, old, True)
+
+    async def _report_failovers(self, step: int) -> None:
+        failovers = getattr(self.engine.sampler, "failovers", [])
+        new, self.failovers_reported = failovers[self.failovers_reported:], len(failovers)
+        for server in sorted({f.server for f in new}):
+            errors = [f.error for f in new if f.server == server]
+            await self._event("warn", f"Step {step}: sampling server {server} failed {len(errors)} time(s) "
+                                      f"({errors[-1]}); its requests went to the other servers.",
+                              {"server": server, "failures": len(errors), "last_error": errors[-1]})
 
     def _update(self, sequences: list[TrainSequence]) -> UpdateStats:
         """One optimizer step over every sequence (blocking)."""

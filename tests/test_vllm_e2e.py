@@ -1,0 +1,84 @@
+"""A LoRA job trained end to end with its rollouts sampled by a real vLLM server: the openai SDK
+creates it, a real Celery worker trains SmolLM2-135M-Instruct and, after every step, loads the new
+adapter on the server; and a job whose vLLM does not answer fails with a clear error."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import openai
+import pytest
+
+from app.core.config import Settings
+from tests.conftest import VLLM_MODEL, free_port, job_body, jsonl, live_server, question_rows, wait_for
+from tests.rl.tool_server import tool_server
+from tests.test_training_e2e import celery_worker, rows, training_settings  # noqa: F401 - the fixture
+
+
+def create_job(sdk: openai.OpenAI, tool_url: str, model: str, **options) -> str:  # noqa: ANN003
+    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(4)))), purpose="fine-tune")
+    return sdk.fine_tuning.jobs.create(model=model, training_file=uploaded.id, seed=7, method={
+        "type": "reinforcement", "reinforcement": {
+            "grader": {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
+                       "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"},
+            "tools": [{"name": "search", "server_url": tool_url}],
+            "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 2,
+                                "eval_samples": 2},
+            "max_episode_steps": 1,
+            "x_open_model": {"lora_rank": 4, "max_tokens_per_turn": 16, "max_tokens_per_rollout": 24,
+                             "temperature": 0.7, **options},
+        }}).id
+
+
+def served(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+
+
+def test_a_lora_job_samples_its_rollouts_on_vllm(training_settings: Settings, project, vllm_server):  # noqa: ANN001, F811
+    training_settings.vllm_urls = [vllm_server]
+    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        job_id = create_job(sdk, tool_url, VLLM_MODEL)  # sampler "auto": the worker has a vLLM server
+        wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=600,
+                 interval=1.0)
+        job = sdk.fine_tuning.jobs.retrieve(job_id)
+        assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+        events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+    assert any(e.message.startswith(f"Rollouts are sampled on vLLM: {vllm_server}") for e in events)
+    metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
+    assert [m["train"]["policy_version"] for m in metrics] == [0, 1]  # step 1 on the base, step 2 on v1
+    assert all(m["train"]["logprob_mismatch"] is not None and m["train"]["logprob_mismatch"] < 0.1 for m in metrics)
+    names = served(vllm_server)
+    assert f"{job_id}-v2" in names and f"{job_id}-v1" not in names  # the last policy, the older one unloaded
+    policy_dirs = list((training_settings.checkpoint_dir / job_id / "policy").iterdir())
+    assert [p.name for p in policy_dirs] == ["v2"]
+
+
+def test_a_job_whose_vllm_does_not_answer_fails_with_a_clear_error(training_settings: Settings, project):  # noqa: ANN001, F811
+    dead = f"http://127.0.0.1:{free_port()}"
+    training_settings.vllm_urls = [dead]
+    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        job_id = create_job(sdk, tool_url, "tiny-smollm2", sampler="vllm")
+        wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=180,
+                 interval=0.5)
+        job = sdk.fine_tuning.jobs.retrieve(job_id)
+    assert job.status == "failed", log.read_text()[-3000:]
+    assert job.error.code == "sampler_unavailable" and dead in job.error.message
+    assert job.error.param == "method.reinforcement.x_open_model.sampler"
+
+
+def test_vllm_sampling_of_a_full_fine_tune_is_refused_at_creation(api):  # noqa: ANN001
+    """The choice made for full fine-tuning on this backend: a clear 400 at creation, not a job that
+    fails later (reloading all weights on every server each step is not supported)."""
+    file_id = api.upload_ok(question_rows(3))
+    body = job_body(file_id, reinforcement={"x_open_model": {"training_mode": "full", "sampler": "vllm"}})
+    response = api.post("/v1/fine_tuning/jobs", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "LoRA policies only" in error["message"] and "x_open_model" in (error["param"] or "")
+    body = job_body(file_id, reinforcement={"x_open_model": {"training_mode": "full", "sampler": "engine"}})
+    assert api.post("/v1/fine_tuning/jobs", json=body).status_code == 200
