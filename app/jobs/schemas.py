@@ -139,6 +139,12 @@ class OpenModelOptions(BaseModel):
                             "LoRA adapters and the optimizer stay in float32.")
     diagnostic: JobDiagnosticOptions | None = Field(
         None, description="Run the variance diagnostic before training (docs/diagnostics.md).")
+    importance_sampling_cap: float | None = Field(
+        None, gt=1, le=100, description="Truncated importance sampling: the PPO ratio is taken against the trainer's "
+                                        "own log-probs and each sampled token is weighted by min(p_trainer / "
+                                        "p_sampler, cap), correcting the sampler's numerical difference (another "
+                                        "engine, another precision; see train.logprob_mismatch). 2 is common with "
+                                        "vLLM sampling. Default: off (the ratio is against the sampler's log-probs).")
     sampler: Literal["auto", "engine", "vllm"] = Field(
         "auto", description="What samples the rollouts: the worker's in-process engine, or the deployment's vLLM "
                             "servers (AGENT_RFT_VLLM_URLS; LoRA only). auto: vLLM where the worker has servers and "

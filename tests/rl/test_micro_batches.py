@@ -3,6 +3,7 @@ arrival-order groups: the loss is a mean over all the step's sequences."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -130,3 +131,29 @@ def test_a_rows_log_probs_do_not_depend_on_the_padding_after_it():
             want = token_logprobs(policy, alone, 1.0)[0][alone.loss_mask[0]]
             got = padded[row][together.loss_mask[row]]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_truncated_importance_sampling_weights_each_token_by_its_capped_ratio():
+    """Log-probs from a sampler that computed the policy differently (vLLM, another precision): the
+    plain ratio against them makes the PPO clip bind and the token gets no gradient; truncated
+    importance sampling takes the ratio against the trainer's own log-probs and weights the token by
+    min(p_trainer / p_sampler, cap) instead."""
+    from workers.rl.update import Collated
+
+    gap = torch.tensor([[math.log(1.5), math.log(3.0), 0.0, -math.log(2.0)]])  # log p_trainer - log p_sampler
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+
+    def gradient(cap: float | None) -> torch.Tensor:
+        new = trainer.clone().requires_grad_(True)
+        batch = Collated(input_ids=torch.zeros(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 5),
+                         positions=torch.arange(4), loss_mask=torch.ones(1, 4, dtype=torch.bool),
+                         sampling_logprobs=trainer - gap, advantages=torch.tensor([[1.0]]))
+        settings = LossSettings("grpo", 0.2, 0.0, 1.0, 128, importance_cap=cap)
+        loss, _ = micro_batch_loss(new, batch, settings, n_sequences=1)
+        loss.backward()
+        return -new.grad[0] * 4  # per token, the mean's 1/4 undone
+
+    on_policy = torch.ones(4)  # d(ratio * A)/d logp at ratio 1, A = 1
+    plain, tis = gradient(None), gradient(2.0)
+    assert torch.allclose(plain, torch.tensor([0.0, 0.0, 1.0, 0.5]))  # ratios 1.5 and 3 clipped away
+    assert torch.allclose(tis, on_policy * torch.tensor([1.5, 2.0, 1.0, 0.5]))  # 3 capped at 2

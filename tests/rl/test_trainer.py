@@ -319,7 +319,8 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     assert metrics["tools"]["rollouts"] == 8 and "finish_reasons" in metrics["tools"]
     train_block = metrics["train"]
     assert set(train_block) == {"loss", "kl", "grad_norm", "logprob_mismatch", "clip_fraction", "learning_rate",
-                                "frac_reward_zero_std", "rollouts_used", "rollouts_excluded"}
+                                "frac_reward_zero_std", "rollouts_used", "rollouts_excluded", "policy_version"}
+    assert train_block["policy_version"] == 0  # step 1 was sampled before any update
     assert train_block["learning_rate"] == cfg.learning_rate and train_block["rollouts_excluded"] == 0
     for step_metrics, step_records in zip(hooks.metrics, hooks.train_records):  # groups = consecutive records
         groups = [[r["reward"] for r in step_records[i:i + 4]] for i in range(0, 8, 4)]

@@ -37,6 +37,7 @@ class TrainingConfig:
     loss: str  # "grpo" | "dr_grpo" | "rloo"
     kl_coef: float
     clip_epsilon: float
+    importance_cap: float | None = None  # truncated importance sampling (x_open_model.importance_sampling_cap)
     max_grad_norm: float = 1.0
     training_mode: str = "lora"
     lora_rank: int = 16
@@ -98,6 +99,7 @@ def resolve_hyperparameters(
         learning_rate=options.learning_rate or lr_multiplier * BASE_LEARNING_RATE[options.training_mode],
         eval_interval=eval_interval,
         eval_samples=eval_samples, loss=options.loss, kl_coef=options.kl_coef, clip_epsilon=options.clip_epsilon,
+        importance_cap=options.importance_sampling_cap,
         training_mode=options.training_mode, lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
         engine=engine, seed=seed,
     )

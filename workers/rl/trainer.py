@@ -211,7 +211,7 @@ class Trainer:
         self.engine = RolloutEngine(self.loaded.model, tokenizer, ChatFormatter(tokenizer), self.tool_client, c.engine,
                                     sampler=self.sampler)
         self.loss_settings = LossSettings(c.loss, c.clip_epsilon, c.kl_coef, c.engine.temperature,
-                                          c.engine.max_tokens_per_rollout)
+                                          c.engine.max_tokens_per_rollout, importance_cap=c.importance_cap)
         if self.resume_state is not None:
             self.progress = load_training_state(self.resume_state, model=self.model, optimizer=self.optimizer,
                                                 fingerprint=self._fingerprint())

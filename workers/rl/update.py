@@ -45,6 +45,7 @@ class LossSettings:
     kl_coef: float
     temperature: float
     token_budget: int  # dr_grpo's constant normaliser: max_tokens_per_rollout
+    importance_cap: float | None = None  # truncated importance sampling's cap; None: off
 
 
 @dataclass
@@ -259,7 +260,15 @@ def micro_batch_loss(new_logprobs: torch.Tensor, batch: Collated, settings: Loss
     mask = batch.loss_mask
     # Outside the mask the ratio is pinned to 1 so padding can never make inf or NaN.
     sampled = torch.where(mask, batch.sampling_logprobs, new_logprobs.detach())
-    per_token = -clipped_token_objective(new_logprobs, sampled, batch.advantages, settings.clip_epsilon)
+    if settings.importance_cap is None:
+        per_token = -clipped_token_objective(new_logprobs, sampled, batch.advantages, settings.clip_epsilon)
+    else:
+        # Truncated importance sampling: the ratio against the policy being trained (its log-probs
+        # before this step), each token weighted by min(p_trainer / p_sampler, cap) for what the
+        # sampler computed differently (another engine or precision), not a clip that binds on it.
+        trained = new_logprobs.detach()
+        weight = torch.exp(trained - sampled).clamp(max=settings.importance_cap)
+        per_token = -clipped_token_objective(new_logprobs, trained, batch.advantages, settings.clip_epsilon) * weight
     kl = None
     if reference_logprobs is not None:
         kl = k3_kl(new_logprobs, torch.where(mask, reference_logprobs, new_logprobs.detach()))
