@@ -157,3 +157,52 @@ def test_projections_fed_one_input_share_a_matmul_and_each_still_answers_alone()
         assert torch.equal(q_x, expected["q_proj"]) and torch.equal(k_x, expected["k_proj"])
         assert torch.equal(in_thread["k"], torch.nn.functional.linear(other, attention.k_proj.weight))
         assert torch.equal(in_thread["q"], torch.nn.functional.linear(other, attention.q_proj.weight))
+
+
+def test_the_cpu_speedups_are_neither_built_nor_applied_for_a_model_off_the_cpu(monkeypatch):
+    """The CPU unit (our kernels, packed weights, fused norms and rotary, the lean decode step, the
+    registered attention) is for CPUs only: for a model on another device (here the meta device,
+    which has no kernels of its own either) nothing is compiled, registered or patched."""
+    import pytest
+
+    from workers.rl import cpu_kernels
+    from workers.rl.models import ATTENTION, packed_decode_attention, sampling_weights
+
+    def no_build() -> None:
+        pytest.fail("the CPU kernels were asked for a model that is not on the CPU")
+
+    model = load_model("tiny-smollm2", dtype="bfloat16").model.to("meta")
+    model.set_attn_implementation("sdpa")
+    monkeypatch.setattr(cpu_kernels, "load", no_build)
+    packed_decode_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    with sampling_weights(model) as counts:
+        assert counts == {"merged_lora_layers": 0, "packed_linear_layers": 0, "fused_rms_norms": 0,
+                          "fused_rotary_layers": 0, "lean_decode_layers": 0}
+        assert not any("forward" in module.__dict__ for module in model.modules())
+    assert ATTENTION != model.config._attn_implementation
+
+
+def test_on_a_gpu_rollouts_sample_without_the_cpu_unit(monkeypatch):
+    """Where a GPU is lent: a model loaded on CUDA samples real rollouts with transformers' own
+    attention, and the CPU kernels are never built for it."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from workers.rl import cpu_kernels
+    from workers.rl.models import ATTENTION
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("CPU kernels built for a CUDA model"))
+    loaded = load_model("tiny-smollm2", device="cuda")
+    assert loaded.model.config._attn_implementation != ATTENTION
+    with tool_server() as (url, _):
+        async def go():  # noqa: ANN202
+            async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+                engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client,
+                                       EngineConfig(max_tokens_per_turn=8, max_tokens_per_rollout=8))
+                return await engine.run([RolloutSpec(i, [{"role": "user", "content": "hi"}], [SEARCH], {}, seed=i)
+                                         for i in range(4)])
+
+        records = asyncio.run(go())
+    assert all(r.completion_tokens > 0 and len(r.logprobs) == len(r.token_ids) for r in records)

@@ -345,8 +345,8 @@ def packed_decode_attention(model: Any) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not on_cpu(model):
+        return  # on a GPU, transformers' own sdpa (and flash) paths stand
     from workers.rl import cpu_kernels
 
     cpu_kernels.load()
@@ -749,20 +749,38 @@ def _module_of(loaded: LoadedModel | Any) -> Any:
 
 @contextmanager
 def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
-    """What the rollout engine samples on: LoRA merged (merged_lora_weights), then every bfloat16
-    linear layer on a CPU packed for oneDNN (packed_linear_weights), Llama's RMSNorm and rotary
-    embedding in one op each (fused_rms_norms, fused_rotary); decode steps on those, without
+    """What the rollout engine samples on: LoRA merged (merged_lora_weights), then, on a CPU, the
+    CPU speed-ups (cpu_speedups). Yields the layer counts."""
+    with merged_lora_weights(model) as merged, cpu_speedups(model) as speedups:
+        yield {"merged_lora_layers": merged, **speedups}
+
+
+def on_cpu(model: Any) -> bool:
+    """Whether `model`'s weights are on the CPU: the CPU speed-ups (our compiled kernels, packed
+    weights, the lean decode step, the registered attention) are built and applied only there, never
+    for a CUDA (or any other) device, where torch's and transformers' own kernels are the fast path."""
+    parameter = next(iter(model.parameters()), None)
+    return parameter is not None and parameter.device.type == "cpu"
+
+
+@contextmanager
+def cpu_speedups(model: Any) -> Iterator[dict[str, int]]:
+    """The CPU speed-ups as one unit, for inference inside the block: every bfloat16 linear layer
+    packed for oneDNN (packed_linear_weights), Llama's RMSNorm and rotary embedding in one op each
+    on our kernels (fused_rms_norms, fused_rotary), and decode steps on those without
     transformers' modules where the model is one lean_decode takes (workers.rl.lean_decode).
-    Yields the layer counts."""
+    Nothing is built or patched for a model that is not on the CPU (on_cpu). Yields the counts."""
     from workers.rl import lean_decode
 
-    with merged_lora_weights(model) as merged, packed_linear_weights(model) as packed, \
-            fused_rms_norms(model) as norms, fused_rotary(model) as rotary:
+    if not on_cpu(model):
+        yield {"packed_linear_layers": 0, "fused_rms_norms": 0, "fused_rotary_layers": 0, "lean_decode_layers": 0}
+        return
+    with packed_linear_weights(model) as packed, fused_rms_norms(model) as norms, fused_rotary(model) as rotary:
         decoder = lean_decode.build(model)
         lean_decode.register(model, decoder)
         try:
-            yield {"merged_lora_layers": merged, "packed_linear_layers": packed, "fused_rms_norms": norms,
-                   "fused_rotary_layers": rotary, "lean_decode_layers": len(decoder.layers) if decoder else 0}
+            yield {"packed_linear_layers": packed, "fused_rms_norms": norms, "fused_rotary_layers": rotary,
+                   "lean_decode_layers": len(decoder.layers) if decoder else 0}
         finally:
             lean_decode.register(model, None)
 
@@ -783,7 +801,7 @@ def fused_rms_norms(model: Any) -> Iterator[int]:
 
     norms = [module for module in model.modules()
              if type(module).__name__ in LLAMA_RMS_NORMS and "forward" not in module.__dict__]
-    if not norms or cpu_kernels.load() is None:
+    if not norms or not on_cpu(model) or cpu_kernels.load() is None:
         yield 0
         return
     try:
@@ -823,7 +841,8 @@ def fused_rotary(model: Any) -> Iterator[int]:
 
     layers = [m for m in model.modules() if type(m).__name__ in LLAMA_ROTARY_LAYERS]
     modules = {importlib.import_module(type(layer).__module__) for layer in layers}
-    if not layers or cpu_kernels.load() is None or not all(hasattr(m, "apply_rotary_pos_emb") for m in modules):
+    if not layers or not on_cpu(model) or cpu_kernels.load() is None or \
+            not all(hasattr(m, "apply_rotary_pos_emb") for m in modules):
         yield 0
         return
     with _rotary_lock:
