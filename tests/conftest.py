@@ -285,16 +285,15 @@ VLLM_PYTHON = Path(os.environ.get("AGENT_RFT_VLLM_PYTHON", "~/.cache/agent-rft/v
 VLLM_MODEL = "SmolLM2-135M-Instruct"  # served under the name jobs use
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One vLLM server for the whole run, serving SmolLM2-135M-Instruct (bf16) with runtime LoRA
-    loading, as docs/vllm.md says to run it; yields its base URL."""
+@contextmanager
+def vllm_process(log: Path) -> Iterator[tuple[str, Any]]:
+    """A real vLLM server serving SmolLM2-135M-Instruct (bf16) with runtime LoRA loading, as
+    docs/vllm.md says to run it; yields (its base URL, its process) and kills it afterwards."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (scripts/test.sh installs one)")
     from workers.rl.models import model_directory
 
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_directory(VLLM_MODEL)),
             "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
@@ -307,8 +306,15 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         wait_for(lambda: http_ok(f"{url}/v1/models") or proc.poll() is not None, timeout=300, interval=1.0)
         assert proc.poll() is None, log.read_text()[-5000:]
-        yield url
+        yield url, proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server for the whole run; yields its base URL."""
+    with vllm_process(tmp_path_factory.mktemp("vllm") / "vllm.log") as (url, _):
+        yield url

@@ -5,19 +5,21 @@ adapter on the server; and a job whose vLLM does not answer fails with a clear e
 from __future__ import annotations
 
 import io
+import os
+import signal
 
 import httpx
 import openai
 import pytest
 
 from app.core.config import Settings
-from tests.conftest import VLLM_MODEL, free_port, job_body, jsonl, live_server, question_rows, wait_for
+from tests.conftest import VLLM_MODEL, free_port, job_body, jsonl, live_server, question_rows, vllm_process, wait_for
 from tests.rl.tool_server import tool_server
 from tests.test_training_e2e import celery_worker, rows, training_settings  # noqa: F401 - the fixture
 
 
-def create_job(sdk: openai.OpenAI, tool_url: str, model: str, **options) -> str:  # noqa: ANN003
-    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(4)))), purpose="fine-tune")
+def create_job(sdk: openai.OpenAI, tool_url: str, model: str, *, n_rows: int = 4, **options) -> str:  # noqa: ANN003
+    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
     return sdk.fine_tuning.jobs.create(model=model, training_file=uploaded.id, seed=7, method={
         "type": "reinforcement", "reinforcement": {
             "grader": {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
@@ -82,3 +84,27 @@ def test_vllm_sampling_of_a_full_fine_tune_is_refused_at_creation(api):  # noqa:
     assert "LoRA policies only" in error["message"] and "x_open_model" in (error["param"] or "")
     body = job_body(file_id, reinforcement={"x_open_model": {"training_mode": "full", "sampler": "engine"}})
     assert api.post("/v1/fine_tuning/jobs", json=body).status_code == 200
+
+
+def test_a_vllm_server_killed_mid_job_is_failed_over(training_settings: Settings, project, vllm_server,  # noqa: ANN001, F811
+                                                     tmp_path):
+    """Two servers; the second is killed after step 1: its requests go to the first, an event says
+    which server failed, and the job succeeds."""
+    with vllm_process(tmp_path / "second-vllm.log") as (second, process):
+        training_settings.vllm_urls = [vllm_server, second]
+        with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+                openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+                celery_worker(training_settings, base) as (_, log):
+            job_id = create_job(sdk, tool_url, VLLM_MODEL, n_rows=6)
+            wait_for(lambda: any(e.type == "metrics" for e in sdk.fine_tuning.jobs.list_events(job_id)),
+                     timeout=600, interval=0.5)
+            os.killpg(process.pid, signal.SIGKILL)
+            wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=600,
+                     interval=1.0)
+            job = sdk.fine_tuning.jobs.retrieve(job_id)
+            assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+            events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+    assert any(e.message.startswith(f"Rollouts are sampled on vLLM: {vllm_server}, {second}") for e in events)
+    failed = [e for e in events if e.level == "warn" and f"sampling server {second} failed" in e.message]
+    assert failed, [e.message for e in events]
+    assert sorted(e.data["step"] for e in events if e.type == "metrics") == [1, 2, 3]
