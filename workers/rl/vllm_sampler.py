@@ -84,6 +84,7 @@ class VLLMSampler:
         self.seeded = seeded
         self.policy_version = 0
         self.failovers: list[Failover] = []  # servers that failed a request, for the step's events
+        self.publish_s: list[float] = []  # how long each publish_policy took (load the new adapter, drop the old)
 
     # -- the fleet -----------------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class VLLMSampler:
         if adapter_dir is None:
             raise VLLMError("The vLLM backend samples LoRA policies only (full fine-tuning: the in-process engine).")
         name, previous = f"{self.adapter_prefix}-v{version}", self.served_model
+        started = time.perf_counter()
         async with self._client() as http:
             for server in self.servers:
                 await self._adapter_call(http, server, "load_lora_adapter", {"lora_name": name,
@@ -144,6 +146,7 @@ class VLLMSampler:
                 for server in self.servers:
                     await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": previous},
                                              missing_ok=True)
+        self.publish_s.append(time.perf_counter() - started)
 
     async def _adapter_call(self, http: httpx.AsyncClient, server: _Server, action: str, body: dict[str, Any],
                             *, missing_ok: bool = False) -> None:
