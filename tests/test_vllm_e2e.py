@@ -52,8 +52,7 @@ def test_a_lora_job_samples_its_rollouts_on_vllm(training_settings: Settings, pr
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
     assert [m["train"]["policy_version"] for m in metrics] == [0, 1]  # step 1 on the base, step 2 on v1
     assert all(m["train"]["logprob_mismatch"] is not None and m["train"]["logprob_mismatch"] < 0.1 for m in metrics)
-    names = served(vllm_server)
-    assert f"{job_id}-v2" in names and f"{job_id}-v1" not in names  # the last policy, the older one unloaded
+    assert not {name for name in served(vllm_server) if name.startswith(job_id)}  # unloaded when the job ended
     policy_dirs = list((training_settings.checkpoint_dir / job_id / "policy").iterdir())
     assert [p.name for p in policy_dirs] == ["v2"]
 
@@ -88,14 +87,14 @@ def test_vllm_sampling_of_a_full_fine_tune_is_refused_at_creation(api):  # noqa:
 
 def test_a_vllm_server_killed_mid_job_is_failed_over(training_settings: Settings, project, vllm_server,  # noqa: ANN001, F811
                                                      tmp_path):
-    """Two servers; the second is killed after step 1: its requests go to the first, an event says
-    which server failed, and the job succeeds."""
+    """Two servers; the second is killed after step 1: step 2's requests go to the first, an event
+    says which server failed, and the job succeeds."""
     with vllm_process(tmp_path / "second-vllm.log") as (second, process):
         training_settings.vllm_urls = [vllm_server, second]
         with live_server(training_settings) as base, tool_server() as (tool_url, _), \
                 openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
                 celery_worker(training_settings, base) as (_, log):
-            job_id = create_job(sdk, tool_url, VLLM_MODEL, n_rows=6)
+            job_id = create_job(sdk, tool_url, VLLM_MODEL)
             wait_for(lambda: any(e.type == "metrics" for e in sdk.fine_tuning.jobs.list_events(job_id)),
                      timeout=600, interval=0.5)
             os.killpg(process.pid, signal.SIGKILL)
@@ -107,4 +106,4 @@ def test_a_vllm_server_killed_mid_job_is_failed_over(training_settings: Settings
     assert any(e.message.startswith(f"Rollouts are sampled on vLLM: {vllm_server}, {second}") for e in events)
     failed = [e for e in events if e.level == "warn" and f"sampling server {second} failed" in e.message]
     assert failed, [e.message for e in events]
-    assert sorted(e.data["step"] for e in events if e.type == "metrics") == [1, 2, 3]
+    assert sorted(e.data["step"] for e in events if e.type == "metrics") == [1, 2]

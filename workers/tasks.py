@@ -152,7 +152,11 @@ class JobRun:
                 job_tools=reinforcement.tools, work_dir=self.work_dir, hooks=hooks,
                 resume_state=Path(job.resume_state) if job.resume_state else None, sampler=sampler,
             )
-            return await trainer.run()
+            try:
+                return await trainer.run()
+            finally:
+                if sampler is not None:
+                    await sampler.release()
 
     async def _sampler(self, config: Any, hooks: ControlHooks) -> Any:
         """The vLLM fleet where the job asks for it (x_open_model.sampler) or "auto" finds one for a

@@ -148,6 +148,16 @@ class VLLMSampler:
                                              missing_ok=True)
         self.publish_s.append(time.perf_counter() - started)
 
+    async def release(self) -> None:
+        """The run is over: unload its adapter from every server (each holds a bounded number)."""
+        if self.served_model == self.base_model:
+            return
+        async with self._client() as http:
+            for server in self.servers:
+                await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": self.served_model},
+                                         missing_ok=True)
+        self.served_model = self.base_model
+
     async def _adapter_call(self, http: httpx.AsyncClient, server: _Server, action: str, body: dict[str, Any],
                             *, missing_ok: bool = False) -> None:
         policy = async_retrying(attempts=3, base_s=0.5, max_s=4.0)
