@@ -119,3 +119,29 @@ def test_a_dead_server_is_failed_over_and_none_answering_is_a_clear_error(vllm_s
     wrong = VLLMSampler([vllm_server], model="another-model", config=config)
     with pytest.raises(VLLMUnavailable, match="not 'another-model'"):
         asyncio.run(wrong.check())
+
+
+def test_a_server_reporting_raw_logprobs_is_refused():
+    """vLLM's default logprobs mode reports the raw model's log-probs, the same at any temperature:
+    an HTTP server answering as such a vLLM does is refused with the flag that fixes it (the real
+    server, started with processed_logprobs, passes the same check in the tests above)."""
+    from fastapi import FastAPI
+
+    from tests.conftest import serve_app
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": VLLM_MODEL, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    def complete() -> dict:  # the top token's log-prob, whatever the temperature
+        return {"choices": [{"index": 0, "text": " of", "token_ids": [282], "finish_reason": "length",
+                             "logprobs": {"tokens": [" of"], "token_logprobs": [-1.7],
+                                          "top_logprobs": [{" of": -1.7}]}}]}
+
+    with serve_app(app) as port:
+        sampler = VLLMSampler([f"http://127.0.0.1:{port}"], model=VLLM_MODEL, config=EngineConfig())
+        with pytest.raises(VLLMUnavailable, match="--logprobs-mode processed_logprobs"):
+            asyncio.run(sampler.check())

@@ -5,7 +5,7 @@ Each turn is one `POST /v1/completions` whose `prompt` is the rollout's context 
 `return_token_ids` and `logprobs: 0`: the answer's `token_ids` and `token_logprobs` are what the
 trainer trains on. The servers must run with `--logprobs-mode processed_logprobs`, so that the
 log-probs are those of the distribution sampled from (after temperature and top-p), as the
-in-process engine reports them; LoRA policies need `--enable-lora` and
+in-process engine reports them (`check` refuses a server that reports raw log-probs); LoRA policies need `--enable-lora` and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (docs/vllm.md).
 
 Several servers: a request goes to the server with the fewest requests in flight, and a rollout's
@@ -38,6 +38,7 @@ from workers.rl.sampler import SamplerUnavailable
 
 log = logging.getLogger(__name__)
 SERVER_REST_S = 30.0  # how long a failed server is left out before it is tried again
+LOGPROBS_PROBE = "The history of the old city"  # a prompt whose next token is far from certain
 
 
 class VLLMUnavailable(SamplerUnavailable):
@@ -89,25 +90,41 @@ class VLLMSampler:
     # -- the fleet -----------------------------------------------------------------------------
 
     async def check(self) -> list[str]:
-        """The servers that answer and serve the base model; VLLMUnavailable when none does."""
-        async with self._client(timeout=httpx.Timeout(10.0)) as http:
-            answers = await asyncio.gather(*(self._models(http, s) for s in self.servers), return_exceptions=True)
-        live, problems = [], []
-        for server, answer in zip(self.servers, answers):
-            if isinstance(answer, BaseException):
-                problems.append(f"{server.url}: {type(answer).__name__}: {answer}")
-            elif self.base_model not in answer:
-                problems.append(f"{server.url} serves {sorted(answer)}, not {self.base_model!r}")
-            else:
-                live.append(server.url)
+        """The servers that answer, serve the base model and report the sampled distribution's
+        log-probs; VLLMUnavailable, with each server's problem, when none does."""
+        async with self._client(timeout=httpx.Timeout(30.0)) as http:
+            problems = await asyncio.gather(*(self._problem(http, s) for s in self.servers), return_exceptions=True)
+        live = [server.url for server, problem in zip(self.servers, problems) if problem is None]
         if not live:
-            raise VLLMUnavailable("No vLLM server can sample for this job: " + "; ".join(problems))
+            said = [f"{s.url}: {type(p).__name__}: {p}" if isinstance(p, BaseException) else p
+                    for s, p in zip(self.servers, problems)]
+            raise VLLMUnavailable("No vLLM server can sample for this job: " + "; ".join(said))
         return live
 
-    async def _models(self, http: httpx.AsyncClient, server: _Server) -> set[str]:
+    async def _problem(self, http: httpx.AsyncClient, server: _Server) -> str | None:
         response = await http.get(f"{server.url}/v1/models")
         response.raise_for_status()
-        return {model["id"] for model in response.json()["data"]}
+        served = {model["id"] for model in response.json()["data"]}
+        if self.base_model not in served:
+            return f"{server.url} serves {sorted(served)}, not {self.base_model!r}"
+        if await self._reports_raw_logprobs(http, server):
+            return (f"{server.url} reports the raw model's log-probs, not those of the distribution it samples "
+                    "from: start it with --logprobs-mode processed_logprobs")
+        return None
+
+    async def _reports_raw_logprobs(self, http: httpx.AsyncClient, server: _Server) -> bool:
+        """Whether the server reports log-probs before temperature (vLLM's default logprobs mode):
+        then the most likely next token's log-prob is the same at temperatures 1 and 0.5, where
+        the sampled distribution's differ. vLLM does not say which mode it runs in; a next token
+        too certain to tell (log-prob near 0) counts as fine."""
+        tops = []
+        for temperature in (1.0, 0.5):
+            response = await http.post(f"{server.url}/v1/completions", json={
+                "model": self.base_model, "prompt": LOGPROBS_PROBE, "max_tokens": 1, "temperature": temperature,
+                "logprobs": 1})
+            response.raise_for_status()
+            tops.append(max(response.json()["choices"][0]["logprobs"]["top_logprobs"][0].values()))
+        return tops[0] < -0.05 and abs(tops[0] - tops[1]) < 0.01
 
     def _client(self, timeout: httpx.Timeout | None = None) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=timeout or self.timeout, headers=self.headers)
