@@ -366,6 +366,22 @@ def test_watchdog_requeues_a_job_whose_worker_went_silent(api, app, client, work
     assert resumed["resume_state"] == "/ckpt/s3" and resumed["completed_steps"] == 3
 
 
+def test_the_first_watchdog_round_after_a_restart_does_not_count_the_outage_against_workers(api, app, worker,
+                                                                                          settings):
+    """An API down longer than the lease: its first round (restart grace) gives the running job one
+    lease from then instead of re-queueing it; a round past that grace re-queues it as usual."""
+    job_id = queued_job(api)
+    worker.claim(job_id)
+    factory, queue = app.state.session_factory, app.state.queue
+    restarted = utcnow() + timedelta(seconds=settings.lease_seconds + 30)  # the lease ran out while down
+    assert expire_leases(factory, queue, now=restarted, restart_grace_s=settings.lease_seconds) == []
+    assert status(api, job_id) == "running"
+    assert worker.leased("POST", f"/jobs/{job_id}/heartbeat").status_code == 200  # its worker goes on
+    past_grace = restarted + timedelta(seconds=2 * settings.lease_seconds + 1)
+    assert expire_leases(factory, queue, now=past_grace) == [job_id]
+    assert status(api, job_id) == "queued"
+
+
 def test_watchdog_clears_the_expired_lease_of_a_paused_job(api, app, worker, settings):
     job_id = queued_job(api)
     worker.claim(job_id)

@@ -192,12 +192,19 @@ def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: date
     row.grant_lease(worker_id, lease_seconds, now)
 
 
-def expire_leases(session: Session, model: type[Run], *, now: datetime,
-                  requeue: Callable[[Run], bool]) -> list[str]:
+def expire_leases(session: Session, model: type[Run], *, now: datetime, requeue: Callable[[Run], bool],
+                  restart_grace_s: float | None = None) -> list[str]:
     """Running rows whose lease expired (or that have none) get `requeue(row)` (which moves them
     back to the queue and says whether to send them to the broker again); expired leases of rows
     in any other status are cleared. Returns the ids to send. Rows being claimed or heartbeating
-    right now are skipped (SKIP LOCKED) and looked at next round."""
+    right now are skipped (SKIP LOCKED) and looked at next round.
+
+    `restart_grace_s` (the first round after the control plane starts): every running row's lease
+    first gets at least that long from `now`. Its worker could not heartbeat while no API was up to
+    hear it, so the time the control plane was down (a restart, a deploy) is not counted against
+    the worker; a worker that died meanwhile is noticed one grace later."""
+    if restart_grace_s is not None:
+        _extend_running_leases(session, model, until=now + timedelta(seconds=restart_grace_s))
     lease_over = or_(model.lease_expires_at.is_(None), model.lease_expires_at < now)
     stale = or_((model.status == RUNNING) & lease_over, model.lease_expires_at < now)
     resend = []
@@ -208,17 +215,10 @@ def expire_leases(session: Session, model: type[Run], *, now: datetime,
     return resend
 
 
-def extend_leases_for_restart(session: Session, model: type[Run], *, now: datetime, seconds: float) -> int:
-    """At the control plane's start, give every running row's lease at least `seconds` more: its
-    worker could not heartbeat while no API was up to hear it, so the time the control plane was
-    down (a restart, a deploy) is not counted against the worker. A worker that died meanwhile is
-    noticed one lease later. Returns how many leases were extended."""
-    until = now + timedelta(seconds=seconds)
+def _extend_running_leases(session: Session, model: type[Run], *, until: datetime) -> None:
     running = (model.status == RUNNING) & model.lease_id.is_not(None) & (model.lease_expires_at < until)
-    rows = list(session.scalars(select(model).where(running).with_for_update(skip_locked=True)))
-    for row in rows:
+    for row in session.scalars(select(model).where(running).with_for_update(skip_locked=True)):
         row.lease_expires_at = until
-    return len(rows)
 
 
 class PeriodicLoop(threading.Thread):

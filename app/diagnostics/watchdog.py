@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.db import utcnow
-from app.core.lifecycle import expire_leases, extend_leases_for_restart
+from app.core.lifecycle import expire_leases
 from app.core.queue import JobQueue
 from app.diagnostics import pipeline
 from app.diagnostics.models import Diagnostic
@@ -25,18 +25,15 @@ S = DiagnosticStatus
 def expire_diagnostic_leases(factory: sessionmaker[Session], queue: JobQueue, *,
                              now: datetime | None = None, restart_grace_s: float | None = None) -> list[str]:
     """Re-queue running diagnostics whose lease expired; return the ids sent to the broker again
-    (a job's diagnostic is not sent: the job's next worker runs it). `restart_grace_s`: as for jobs
-    (app/jobs/watchdog.expire_job_leases)."""
+    (a job's diagnostic is not sent: the job's next worker runs it). `restart_grace_s`: the first round
+    after the API starts (app/core/lifecycle.expire_leases)."""
 
     def requeue(diagnostic: Diagnostic) -> bool:
         transition(session, diagnostic, S.QUEUED)
         return diagnostic.job_id is None
 
-    now = now or utcnow()
     with factory.begin() as session:
-        if restart_grace_s is not None:
-            extend_leases_for_restart(session, Diagnostic, now=now, seconds=restart_grace_s)
-        resend = expire_leases(session, Diagnostic, now=now, requeue=requeue)
+        resend = expire_leases(session, Diagnostic, now=now or utcnow(), requeue=requeue, restart_grace_s=restart_grace_s)
         orphans = select(Diagnostic).join(Job, Job.id == Diagnostic.job_id).where(
             Diagnostic.status.in_([s.value for s in ACTIVE]), Job.status.in_([s.value for s in JOB_TERMINAL]))
         for diagnostic in session.scalars(orphans.with_for_update(skip_locked=True, of=Diagnostic)):

@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.db import utcnow
-from app.core.lifecycle import expire_leases, extend_leases_for_restart
+from app.core.lifecycle import expire_leases
 from app.core.queue import JobQueue
 from app.jobs import pipeline
 from app.jobs.models import Job
@@ -23,8 +23,7 @@ def expire_job_leases(session_factory: sessionmaker[Session], queue: JobQueue, *
                       now: datetime | None = None, restart_grace_s: float | None = None) -> list[str]:
     """Re-queue running jobs whose lease expired (or that have none) and clear expired leases of
     jobs in any other status; return the ids of the re-queued jobs, sent to the broker again.
-    `restart_grace_s` (the first round after the API starts): live workers' leases first get that
-    long again (app/core/lifecycle.extend_leases_for_restart)."""
+    `restart_grace_s`: the first round after the API starts (app/core/lifecycle.expire_leases)."""
 
     def requeue(job: Job) -> bool:
         transition(session, job, JobStatus.QUEUED, level="warn",
@@ -32,11 +31,8 @@ def expire_job_leases(session_factory: sessionmaker[Session], queue: JobQueue, *
                            f"job re-queued from step {job.completed_steps}")
         return True
 
-    now = now or utcnow()
     with session_factory.begin() as session:
-        if restart_grace_s is not None:
-            extend_leases_for_restart(session, Job, now=now, seconds=restart_grace_s)
-        requeued = expire_leases(session, Job, now=now, requeue=requeue)
+        requeued = expire_leases(session, Job, now=now or utcnow(), requeue=requeue, restart_grace_s=restart_grace_s)
     for job_id in requeued:
         pipeline.send_to_workers(session_factory, queue, job_id)
     if requeued:

@@ -176,17 +176,17 @@ class RolloutEngine:
         self.prefill_tokens, self.prefill_rows = session.prefill_tokens, session.prefill_rows
         self.largest_batch = session.largest_batch
 
-    async def _rollout(self, spec: RolloutSpec, batcher: SamplingSession) -> RolloutRecord:
+    async def _rollout(self, spec: RolloutSpec, session: SamplingSession) -> RolloutRecord:
         started = time.perf_counter()
         record = RolloutRecord(trace_id=f"trace_{uuid.uuid4().hex}", sample_index=spec.sample_index,
                                messages=list(spec.messages))
-        state = _Episode(self, spec, record, batcher)
-        batcher.started()
+        state = _Episode(self, spec, record, session)
+        session.started()
         try:
             await state.play()
         finally:
-            batcher.release(state.kv)
-            batcher.finished()
+            session.release(state.kv)
+            session.finished()
             record.wall_time_s = time.perf_counter() - started
         return record
 
@@ -195,8 +195,8 @@ class _Episode:
     """One rollout's turn loop."""
 
     def __init__(self, engine: RolloutEngine, spec: RolloutSpec, record: RolloutRecord,
-                 batcher: SamplingSession) -> None:
-        self.engine, self.spec, self.record, self.batcher = engine, spec, record, batcher
+                 session: SamplingSession) -> None:
+        self.engine, self.spec, self.record, self.session = engine, spec, record, session
         self.cfg = engine.config
         self.fmt = engine.formatter
         self.kv: KVPrefix | None = None  # this rollout's attention cache from its last turn, if kept
@@ -276,10 +276,10 @@ class _Episode:
                                     seed=self.spec.seed * 1000 + record.turns,
                                     stop_token_ids=self.engine.stop_token_ids,
                                     stop_strings=self.engine.stop_strings,
-                                    prefix=self.kv, keep_cache=self.batcher.keeps_caches,
+                                    prefix=self.kv, keep_cache=self.session.keeps_caches,
                                     affinity=record.trace_id)
-        self.kv = None  # handed to the batch (the batcher accounts for it)
-        output = await self.batcher.generate(request)
+        self.kv = None  # handed to the session (a batching one accounts for it)
+        output = await self.session.generate(request)
         self.kv, output.cache = output.cache, None
         self._append(output.token_ids, sampled=True, logprobs=output.logprobs)
         record.completion_tokens += len(output.token_ids)

@@ -21,10 +21,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.rl.generation import DecodeBatch, GenerationOutput, GenerationRequest, KVPrefix
 from workers.rl.models import release_freed_memory, sampling_weights
+
+if TYPE_CHECKING:
+    from workers.rl.rollout import EngineConfig
 
 
 class SamplerUnavailable(RuntimeError):
@@ -52,6 +55,7 @@ class SamplingSession(Protocol):
 class Sampler(Protocol):
     policy_version: int  # of the weights sampled now; 0 before the first optimizer step
     needs_adapter_files: bool  # publish_policy reads the LoRA adapter from disk (another process samples)
+    failovers: list[Any]  # servers that failed a request (`.server`, `.error`), oldest first, for the step's events
 
     def session(self) -> AbstractAsyncContextManager[SamplingSession]: ...
 
@@ -66,9 +70,10 @@ class InProcessSampler:
 
     needs_adapter_files = False  # it samples the trainer's own module
 
-    def __init__(self, model: Any, *, pad_token_id: int, config: Any, decode: Any) -> None:
+    def __init__(self, model: Any, *, pad_token_id: int, config: EngineConfig, decode: Any) -> None:
         self.model, self.pad_token_id, self.config, self.decode = model, pad_token_id, config, decode
         self.policy_version = 0
+        self.failovers: list[Any] = []  # one process, no servers to fail
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[SamplingSession]:

@@ -319,7 +319,7 @@ class Trainer:
         """Hand the sampler the policy after `version` optimizer steps; a sampler outside this
         process (vLLM) reads the LoRA adapter from work_dir/policy/v<version>."""
         sampler = self.engine.sampler
-        if not getattr(sampler, "needs_adapter_files", False):
+        if not sampler.needs_adapter_files:
             await sampler.publish_policy(version, None)
             return
         if self.config.training_mode != "lora":
@@ -332,7 +332,7 @@ class Trainer:
                 await asyncio.to_thread(shutil.rmtree, old, True)
 
     async def _report_failovers(self, step: int) -> None:
-        failovers = getattr(self.engine.sampler, "failovers", [])
+        failovers = self.engine.sampler.failovers
         new, self.failovers_reported = failovers[self.failovers_reported:], len(failovers)
         for server in sorted({f.server for f in new}):
             errors = [f.error for f in new if f.server == server]
