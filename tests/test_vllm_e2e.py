@@ -57,9 +57,13 @@ def test_a_lora_job_samples_its_rollouts_on_vllm(training_settings: Settings, pr
     assert [p.name for p in policy_dirs] == ["v2"]
 
 
-def test_a_job_whose_vllm_does_not_answer_fails_with_a_clear_error(training_settings: Settings, project):  # noqa: ANN001, F811
+@pytest.mark.parametrize("servers", ["dead", "none"])
+def test_a_job_whose_vllm_does_not_answer_fails_with_a_clear_error(training_settings: Settings, project,  # noqa: ANN001, F811
+                                                                  servers):
+    """Asked for vLLM, a job fails with sampler_unavailable where its server is down or the worker
+    has none configured."""
     dead = f"http://127.0.0.1:{free_port()}"
-    training_settings.vllm_urls = [dead]
+    training_settings.vllm_urls = [dead] if servers == "dead" else []
     with live_server(training_settings) as base, tool_server() as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
             celery_worker(training_settings, base) as (_, log):
@@ -68,7 +72,8 @@ def test_a_job_whose_vllm_does_not_answer_fails_with_a_clear_error(training_sett
                  interval=0.5)
         job = sdk.fine_tuning.jobs.retrieve(job_id)
     assert job.status == "failed", log.read_text()[-3000:]
-    assert job.error.code == "sampler_unavailable" and dead in job.error.message
+    expected = dead if servers == "dead" else "has no vLLM servers (AGENT_RFT_VLLM_URLS)"
+    assert job.error.code == "sampler_unavailable" and expected in job.error.message
     assert job.error.param == "method.reinforcement.x_open_model.sampler"
 
 

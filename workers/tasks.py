@@ -167,13 +167,13 @@ class JobRun:
         choice, urls = self.job.method.reinforcement.x_open_model.sampler, self.settings.vllm_urls
         if choice == "engine" or (choice == "auto" and (not urls or config.training_mode != "lora")):
             return None
-        key = self.settings.vllm_api_key
-        sampler = VLLMSampler(urls, model=self.job.model, config=config.engine, adapter_prefix=self.job_id,
-                              api_key=key.get_secret_value() if key else None)
         try:
             if not urls:
                 raise VLLMUnavailable("the job asks for sampler 'vllm' but this worker has no vLLM servers "
                                       "(AGENT_RFT_VLLM_URLS)")
+            key = self.settings.vllm_api_key
+            sampler = VLLMSampler(urls, model=self.job.model, config=config.engine, adapter_prefix=self.job_id,
+                                  api_key=key.get_secret_value() if key else None)
             live = await sampler.check()
         except VLLMUnavailable as exc:
             message = f"Rollouts cannot be sampled on vLLM: {exc}"
