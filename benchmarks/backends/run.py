@@ -141,7 +141,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(title: str, results: dict[str, dict[str, Any]]) -> str:
     keys = list(results["engine"])
-    lines = [f"{title}", f"| measure | engine | vLLM | vLLM / engine |", "|---|---|---|---|"]
+    lines = [title, "| measure | engine | vLLM | vLLM / engine |", "|---|---|---|---|"]
     for key in keys:
         a, b = results["engine"][key], results["vllm"][key]
         ratio = f"{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else "–"

@@ -5,7 +5,6 @@ a dead server failed over, none answering refused."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import httpx
