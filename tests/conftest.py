@@ -272,7 +272,8 @@ def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str
     port = free_port()
     env = {"AGENT_RFT_WORKER_TOKEN": token, "AGENT_RFT_INFERENCE_MODELS": ",".join(settings.inference_models),
            "AGENT_RFT_INFERENCE_POOL_SIZE": str(settings.inference_pool_size),
-           "AGENT_RFT_CHECKPOINT_DIR": str(settings.resolved_checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir)}
+           "AGENT_RFT_CHECKPOINT_DIR": str(settings.resolved_checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
+           "AGENT_RFT_INFERENCE_BACKEND": settings.inference_backend, "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls)}
     url = f"http://127.0.0.1:{port}"
     log = settings.data_dir / f"inference-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: http_ok(f"{url}/healthz")) as proc:

@@ -171,9 +171,8 @@ class JobRun:
             if not urls:
                 raise VLLMUnavailable("the job asks for sampler 'vllm' but this worker has no vLLM servers "
                                       "(AGENT_RFT_VLLM_URLS)")
-            key = self.settings.vllm_api_key
-            sampler = VLLMSampler(urls, model=self.job.model, config=config.engine, adapter_prefix=self.job_id,
-                                  api_key=key.get_secret_value() if key else None)
+            sampler = VLLMSampler.from_settings(self.settings, model=self.job.model, config=config.engine,
+                                                adapter_prefix=self.job_id)
             live = await sampler.check()
         except VLLMUnavailable as exc:
             message = f"Rollouts cannot be sampled on vLLM: {exc}"

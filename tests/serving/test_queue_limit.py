@@ -32,7 +32,7 @@ def served(settings: Settings) -> Iterator[tuple[Settings, Scheduler]]:
     settings = settings.model_copy(update={"inference_models": [TINY], "inference_max_queue": 1})
     app = create_inference_app(settings)
     with serve_app(app) as port:
-        yield settings.model_copy(update={"inference_url": f"http://127.0.0.1:{port}"}), app.state.scheduler
+        yield settings.model_copy(update={"inference_url": f"http://127.0.0.1:{port}"}), app.state.backend
 
 
 @contextmanager

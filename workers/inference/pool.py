@@ -166,25 +166,13 @@ class ModelPool:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def _checked_directory(self, checkpoint_path: str) -> Path:
-        directory = Path(checkpoint_path).resolve()
-        if self.checkpoint_root is not None and self.checkpoint_root not in directory.parents:
-            raise ModelUnavailable(404, "checkpoint_files_missing",
-                                   "The checkpoint's files are not under this inference server's checkpoint "
-                                   "directory (AGENT_RFT_CHECKPOINT_DIR).")
-        if not directory.is_dir():
-            raise ModelUnavailable(404, "checkpoint_files_missing",
-                                   "The checkpoint's files are gone (deleted from the checkpoint storage), so it "
-                                   "cannot be served; use another checkpoint of the job.")
-        return directory
+        return checked_checkpoint_directory(checkpoint_path, self.checkpoint_root)
 
     def _load_checkpoint(self, key: str, directory: Path, base: _Base) -> ServedModel:
         self.unprepare()  # loading wraps or adds to a base's layers: on the weights as they were loaded
-        if (directory / "adapter_config.json").is_file():
+        if checkpoint_kind(directory) == "lora":
             return self._load_adapter(key, directory, base)
-        if (directory / "config.json").is_file():
-            return self._load_full(key, directory)
-        raise ModelUnavailable(404, "checkpoint_files_missing",
-                               "The checkpoint's directory holds neither a LoRA adapter nor a model.")
+        return self._load_full(key, directory)
 
     def _load_adapter(self, key: str, directory: Path, base: _Base) -> ServedModel:
         from peft import PeftModel
@@ -217,6 +205,31 @@ class ModelPool:
         self.stats.evictions += 1
         log.info("evicted %s from the model pool", key)
         release_freed_memory()
+
+
+def checked_checkpoint_directory(checkpoint_path: str, root: Path | None) -> Path:
+    """The checkpoint's directory, resolved; 404 checkpoint_files_missing when it is outside `root`
+    (the server's checkpoint directory) or gone."""
+    directory = Path(checkpoint_path).resolve()
+    if root is not None and root not in directory.parents:
+        raise ModelUnavailable(404, "checkpoint_files_missing",
+                               "The checkpoint's files are not under this inference server's checkpoint "
+                               "directory (AGENT_RFT_CHECKPOINT_DIR).")
+    if not directory.is_dir():
+        raise ModelUnavailable(404, "checkpoint_files_missing",
+                               "The checkpoint's files are gone (deleted from the checkpoint storage), so it "
+                               "cannot be served; use another checkpoint of the job.")
+    return directory
+
+
+def checkpoint_kind(directory: Path) -> str:
+    """"lora" (a PEFT adapter) or "full" (a whole model); 404 when the directory holds neither."""
+    if (directory / "adapter_config.json").is_file():
+        return "lora"
+    if (directory / "config.json").is_file():
+        return "full"
+    raise ModelUnavailable(404, "checkpoint_files_missing",
+                           "The checkpoint's directory holds neither a LoRA adapter nor a model.")
 
 
 def _max_context(model: Any) -> int:

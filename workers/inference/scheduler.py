@@ -1,11 +1,17 @@
-"""Batching: requests for the same model (and sampling settings) are generated together.
+"""The inference server's generation backends, and the engine's: batching on the models it loads.
+
+A backend takes each checked request as a `Pending` (`submit`, or QueueFull at once) and answers on
+the request's own asyncio queue: ("accepted", plan) or ("error", exc) first, then ("delta", choice
+index, text) while it streams, then ("done", plan, [(ChoiceRow, ChoiceResult)]). Two backends:
+`Scheduler` here (AGENT_RFT_INFERENCE_BACKEND=engine) and `VLLMBackend`
+(workers/inference/vllm_backend.py).
+
+Batching: requests for the same model (and sampling settings) are generated together.
 
 Every request becomes a `Pending`; a loop takes the oldest one, waits `batch_window_s` for
 others of the same model to arrive, and generates all their rows (n per request) in one
 `generate_batch` call on the inference server's single generation thread, which is also the only
-thread that touches the model pool. Each pending request receives, on its own asyncio queue:
-("accepted", plan) or ("error", exc) first, then ("delta", choice index, text) while it streams,
-then ("done", choices).
+thread that touches the model pool.
 
 The queue is bounded: at most `max_waiting` requests wait for a batch (those taken into the batch
 being generated are not counted). Past it, `submit` raises QueueFull at once, with the seconds
@@ -21,7 +27,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from workers.inference.chat import BadChatRequest, ChatPlan, ChoiceStream, finish_choice, plan
 from workers.inference.pool import ModelPool, ModelUnavailable, ServedModel
@@ -38,6 +44,15 @@ class QueueFull(Exception):
     def __init__(self, waiting: int, retry_after_s: int) -> None:
         super().__init__(f"{waiting} requests are waiting")
         self.waiting, self.retry_after_s = waiting, retry_after_s
+
+
+def retry_after(expected_s: float | None) -> int:
+    """Whole seconds to wait before a retry, when room is expected in `expected_s` (unknown: 1 s)."""
+    return min(RETRY_AFTER_MAX_S, max(1, math.ceil(expected_s if expected_s is not None else 1.0)))
+
+
+def running_mean(previous: float | None, value: float) -> float:
+    return value if previous is None else previous + BATCH_TIME_WEIGHT * (value - previous)
 
 
 @dataclass
@@ -57,17 +72,37 @@ class Pending:
 
 
 @dataclass
-class _Row:
+class ChoiceRow:
+    """One choice of a request being generated (a request has n)."""
+
     pending: Pending
     chat: ChatPlan
     choice: int
-    stream: ChoiceStream | None
+    stream: ChoiceStream | None  # turns its tokens into content deltas, when the request streams
+
+
+class GenerationBackend(Protocol):
+    async def start(self) -> None:
+        """Ready to answer (models loaded, servers checked); raises when it cannot serve."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    def submit(self, pending: Pending) -> None:
+        """Start answering `pending` on its queue; QueueFull at once when at capacity."""
+        ...
+
+    def health(self) -> dict[str, Any]: ...
 
 
 class Scheduler:
+    """The engine backend: a model pool and one generation thread."""
+
     def __init__(self, pool: ModelPool, *, max_batch_size: int, batch_window_s: float, default_max_tokens: int,
-                 max_waiting: int) -> None:
+                 max_waiting: int, preload: list[str] | None = None) -> None:
         self.pool = pool
+        self.preload = preload or []  # base models to load before the server says it is ready
+        self._loop_task: asyncio.Task[None] | None = None
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.generating = 0  # requests in the batch being generated
@@ -78,6 +113,22 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
 
+    async def start(self) -> None:
+        for base in self.preload:
+            await self.in_generation_thread(self.pool.get, base, None)
+        self._loop_task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> dict[str, Any]:
+        pool = self.pool
+        return {"backend": "engine", "bases": list(pool.allowed_bases.values()), "pool": pool.loaded_keys(),
+                "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions,
+                "preparations": pool.stats.preparations, "queue": self.queue_state()}
+
     def submit(self, pending: Pending) -> None:
         """Queue `pending`, or raise QueueFull when `max_waiting` requests already wait."""
         if len(self.pending) >= self.max_waiting:
@@ -87,15 +138,13 @@ class Scheduler:
 
     def retry_after_s(self) -> int:
         """Whole seconds until the running batch is likely done and a waiting request is taken."""
-        expected = self.batch_seconds if self.batch_seconds is not None else 1.0
-        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(expected)))
+        return retry_after(self.batch_seconds)
 
     def queue_state(self) -> dict[str, int]:
         return {"waiting": len(self.pending), "generating": self.generating, "max_waiting": self.max_waiting}
 
     def _record_batch_time(self, seconds: float) -> None:
-        previous = self.batch_seconds
-        self.batch_seconds = seconds if previous is None else previous + BATCH_TIME_WEIGHT * (seconds - previous)
+        self.batch_seconds = running_mean(self.batch_seconds, seconds)
 
     async def in_generation_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -175,8 +224,8 @@ class Scheduler:
         for pending, chat, done in results.values():
             send(pending, "done", chat, done)
 
-    def _plan_rows(self, batch: list[Pending], served: ServedModel, send: Any) -> list[_Row]:
-        rows: list[_Row] = []
+    def _plan_rows(self, batch: list[Pending], served: ServedModel, send: Any) -> list[ChoiceRow]:
+        rows: list[ChoiceRow] = []
         for pending in batch:
             try:
                 chat = plan(pending.request, pending.model["name"], served, default_max_tokens=self.default_max_tokens)
@@ -184,6 +233,6 @@ class Scheduler:
                 send(pending, "error", exc)
                 continue
             send(pending, "accepted", chat)
-            rows += [_Row(pending, chat, index, ChoiceStream(chat, served) if pending.stream else None)
+            rows += [ChoiceRow(pending, chat, index, ChoiceStream(chat, served) if pending.stream else None)
                      for index in range(len(chat.generations))]
         return rows

@@ -8,11 +8,15 @@ objects, or server-sent `chat.completion.chunk` events when `stream` is true.
 A request that finds `AGENT_RFT_INFERENCE_MAX_QUEUE` requests already waiting is answered 429
 `rate_limit_exceeded` with `Retry-After` at once (before any stream starts), as OpenAI answers a
 request it has no capacity for; the API passes both through.
+
+What generates is the backend of `AGENT_RFT_INFERENCE_BACKEND` (workers/inference/scheduler.py):
+the engine on the models this process loads, or the vLLM fleet of `AGENT_RFT_VLLM_URLS`. Either
+way the prompt is rendered and the answer read here, by the rollout engine's own formatter and
+tool-call parser.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -26,7 +30,7 @@ from app.core.config import Settings
 from app.core.errors import error_body
 from workers.inference.chat import BadChatRequest, ChatPlan, chunk, completion_body, delta, tool_call_deltas, usage
 from workers.inference.pool import ModelPool, ModelUnavailable
-from workers.inference.scheduler import Pending, QueueFull, Scheduler
+from workers.inference.scheduler import GenerationBackend, Pending, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +57,33 @@ def _error_for(exc: BaseException) -> JSONResponse:
     return _error(500, f"Generation failed: {type(exc).__name__}", code="generation_failed", type="server_error")
 
 
-def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI:
+def generation_backend(settings: Settings, *, preload: bool = True) -> GenerationBackend:
+    """The backend AGENT_RFT_INFERENCE_BACKEND names; `preload`: load (or check) every base model
+    before the server says it is ready."""
+    if settings.inference_backend == "vllm":
+        from workers.inference.vllm_backend import VLLMBackend
+
+        return VLLMBackend(settings)
     pool = ModelPool(bases=settings.inference_models, capacity=settings.inference_pool_size,
                      dtype=settings.inference_dtype, checkpoint_root=settings.resolved_checkpoint_dir)
-    scheduler = Scheduler(pool, max_batch_size=settings.inference_max_batch_size,
-                          batch_window_s=settings.inference_batch_window_s,
-                          default_max_tokens=settings.inference_default_max_tokens,
-                          max_waiting=settings.inference_max_queue)
+    return Scheduler(pool, max_batch_size=settings.inference_max_batch_size,
+                     batch_window_s=settings.inference_batch_window_s,
+                     default_max_tokens=settings.inference_default_max_tokens,
+                     max_waiting=settings.inference_max_queue, preload=settings.inference_models if preload else [])
+
+
+def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI:
+    backend = generation_backend(settings, preload=preload)
     token = settings.worker_token.get_secret_value().encode()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        if preload:  # load every base model once, before the server says it is ready
-            for base in settings.inference_models:
-                await scheduler.in_generation_thread(pool.get, base, None)
-        loop_task = asyncio.create_task(scheduler.run())
+        await backend.start()
         yield
-        loop_task.cancel()
-        scheduler.executor.shutdown(wait=False, cancel_futures=True)
+        await backend.stop()
 
     app = FastAPI(title="agent-rft inference", lifespan=lifespan)
-    app.state.pool, app.state.scheduler = pool, scheduler
+    app.state.backend = backend
 
     def authorized(request: Request) -> bool:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -81,9 +91,7 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok", "bases": list(settings.inference_models), "pool": pool.loaded_keys(),
-                "pool_capacity": pool.capacity, "loads": pool.stats.loads, "evictions": pool.stats.evictions,
-                "preparations": pool.stats.preparations, "queue": scheduler.queue_state()}
+        return {"status": "ok", **backend.health()}
 
     @app.post("/internal/v1/chat/completions", response_model=None)
     async def complete(request: Request) -> Response:
@@ -99,7 +107,7 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
                           code="invalid_value")
         pending = Pending(chat_request, model, stream=bool(chat_request.get("stream")))
         try:
-            scheduler.submit(pending)
+            backend.submit(pending)
         except QueueFull as exc:
             return _queue_full(exc)
         first = await pending.events.get()

@@ -260,6 +260,15 @@ def load_model(
     return LoadedModel(model, tokenizer, source.name, torch_device, torch_dtype, source, location)
 
 
+def load_tokenizer(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer of `name` alone, without its weights: what a front end of another inference
+    server (vLLM) needs to render prompts and read answers as the rollout engine does."""
+    source = resolve_model(name)
+    with _LOAD_LOCK:
+        location, hub_kwargs = _pretrained_location(source, model_cache_dir(cache_dir))
+        return _load_tokenizer(source, location, hub_kwargs)
+
+
 def model_directory(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The directory of safetensors and tokenizer files that `name` loads from (converted into the
     cache first for the built-in and GGUF models): what an inference server such as vLLM is given

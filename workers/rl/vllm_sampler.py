@@ -17,14 +17,20 @@ a hang (every request has a timeout).
 Policies: after each optimizer step the trainer saves the LoRA adapter to a new directory and
 `publish_policy` loads it on every server under a new name (`<prefix>-v<version>`), then unloads
 the previous one; a new name per version avoids reloading a name whose weights vLLM has cached.
+
+Serving (workers/inference/vllm_backend.py) samples through the same sessions, with the request's
+model (an adapter loaded on demand with `load_adapter`) and sampling settings, and streams: with
+`on_token`, a turn is one streamed completion whose token ids are handed over as they arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,12 +54,22 @@ class VLLMUnavailable(SamplerUnavailable):
 class VLLMError(RuntimeError):
     """A vLLM server answered something this sampler cannot use (a 4xx, a malformed completion)."""
 
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the server's HTTP status, where it answered one
+
+    @property
+    def model_missing(self) -> bool:
+        """The server does not know the model asked for (e.g. it restarted and lost its adapters)."""
+        return self.status == 404
+
 
 @dataclass
 class _Server:
     url: str
     outstanding: int = 0
     resting_until: float = 0.0  # time.monotonic() until which it is left out after a failure
+    max_model_len: int | None = None  # as its /v1/models says, once checked
 
     def available(self, now: float) -> bool:
         return now >= self.resting_until
@@ -86,6 +102,15 @@ class VLLMSampler:
         self.policy_version = 0
         self.failovers: list[Failover] = []  # servers that failed a request, for the step's events
         self.publish_s: list[float] = []  # how long each publish_policy took (load the new adapter, drop the old)
+        self.adapters: set[str] = set()  # loaded with load_adapter (serving), never unloaded: vLLM's LRU evicts
+        self._adapter_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, model: str, config: Any, adapter_prefix: str = "policy") -> VLLMSampler:
+        """The deployment's fleet (AGENT_RFT_VLLM_URLS, _API_KEY, _SEEDS) serving `model`."""
+        key = settings.vllm_api_key
+        return cls(settings.vllm_urls, model=model, config=config, adapter_prefix=adapter_prefix,
+                   api_key=key.get_secret_value() if key else None, seeded=settings.vllm_seeds)
 
     # -- the fleet -----------------------------------------------------------------------------
 
@@ -98,15 +123,16 @@ class VLLMSampler:
         if not live:
             said = [f"{s.url}: {type(p).__name__}: {p}" if isinstance(p, BaseException) else p
                     for s, p in zip(self.servers, problems)]
-            raise VLLMUnavailable("No vLLM server can sample for this job: " + "; ".join(said))
+            raise VLLMUnavailable(f"No vLLM server can sample {self.base_model}: " + "; ".join(said))
         return live
 
     async def _problem(self, http: httpx.AsyncClient, server: _Server) -> str | None:
         response = await http.get(f"{server.url}/v1/models")
         response.raise_for_status()
-        served = {model["id"] for model in response.json()["data"]}
+        served = {model["id"]: model for model in response.json()["data"]}
         if self.base_model not in served:
             return f"{server.url} serves {sorted(served)}, not {self.base_model!r}"
+        server.max_model_len = served[self.base_model].get("max_model_len")
         if await self._reports_raw_logprobs(http, server):
             return (f"{server.url} reports the raw model's log-probs, not those of the distribution it samples "
                     "from: start it with --logprobs-mode processed_logprobs")
@@ -125,6 +151,12 @@ class VLLMSampler:
             response.raise_for_status()
             tops.append(max(response.json()["choices"][0]["logprobs"]["top_logprobs"][0].values()))
         return tops[0] < -0.05 and abs(tops[0] - tops[1]) < 0.01
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest context window of the checked servers (None before `check`)."""
+        known = [s.max_model_len for s in self.servers if s.max_model_len]
+        return min(known) if known else None
 
     def _client(self, timeout: httpx.Timeout | None = None) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=timeout or self.timeout, headers=self.headers)
@@ -165,6 +197,24 @@ class VLLMSampler:
                                              missing_ok=True)
         self.publish_s.append(time.perf_counter() - started)
 
+    async def load_adapter(self, name: str, adapter_dir: Path) -> None:
+        """Make the LoRA adapter in `adapter_dir` servable as `name` on every server (once; a server
+        that already has it is fine). Never unloaded: vLLM keeps the adapters it was given in its
+        own LRU cache (`--max-loras` on the device, `--max-cpu-loras` in memory) and reads an evicted
+        one from disk again when it is asked for."""
+        async with self._adapter_locks[name]:
+            if name in self.adapters:
+                return
+            async with self._client() as http:
+                for server in self.servers:
+                    await self._adapter_call(http, server, "load_lora_adapter",
+                                             {"lora_name": name, "lora_path": str(adapter_dir)})
+            self.adapters.add(name)
+
+    def forget_adapter(self, name: str) -> None:
+        """A server no longer knows `name` (it restarted): load it again on the next request."""
+        self.adapters.discard(name)
+
     async def release(self) -> None:
         """The run is over: unload its adapter from every server (each holds a bounded number)."""
         if self.served_model == self.base_model:
@@ -185,22 +235,30 @@ class VLLMSampler:
             return
         if response.status_code == 404 and missing_ok:
             return
+        if response.status_code == 400 and "already been loaded" in response.text:
+            return  # loaded before (by another replica of ours, or before our restart)
         if retryable_status(response.status_code):
             self._rest(server, f"{action}: answered {response.status_code}")
         elif not response.is_success:
-            raise VLLMError(f"{server.url}/v1/{action} answered {response.status_code}: {excerpt(response.text)}")
+            raise VLLMError(f"{server.url}/v1/{action} answered {response.status_code}: {excerpt(response.text)}",
+                            status=response.status_code)
 
     # -- sampling ------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def session(self) -> AsyncIterator[_VLLMSession]:
+    async def session(self, *, model: str | None = None, temperature: float | None = None,
+                      top_p: float | None = None) -> AsyncIterator[_VLLMSession]:
+        """A run of requests; by default on the current policy with the job's sampling settings,
+        else on `model` (the base or an adapter loaded with load_adapter) and the given settings."""
+        sampling = {"model": model or self.served_model,
+                    "temperature": self.config.temperature if temperature is None else temperature,
+                    "top_p": self.config.top_p if top_p is None else top_p}
         async with self._client() as http:
-            yield _VLLMSession(self, http)
+            yield _VLLMSession(self, http, sampling)
 
-    def completion_body(self, request: GenerationRequest) -> dict[str, Any]:
+    def completion_body(self, request: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
         body = {
-            "model": self.served_model, "prompt": list(request.context_ids), "max_tokens": request.max_new_tokens,
-            "temperature": self.config.temperature, "top_p": self.config.top_p,
+            **sampling, "prompt": list(request.context_ids), "max_tokens": request.max_new_tokens,
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             "stop_token_ids": sorted(request.stop_token_ids), "stop": list(request.stop_strings),
             "include_stop_str_in_output": True,
@@ -215,8 +273,8 @@ class _VLLMSession:
 
     keeps_caches = False  # vLLM keeps its own prefix cache
 
-    def __init__(self, sampler: VLLMSampler, http: httpx.AsyncClient) -> None:
-        self.sampler, self.http = sampler, http
+    def __init__(self, sampler: VLLMSampler, http: httpx.AsyncClient, sampling: dict[str, Any]) -> None:
+        self.sampler, self.http, self.sampling = sampler, http, sampling
         self.generation_s, self.timings = 0.0, {}
         self.prefill_tokens, self.prefill_rows, self.largest_batch = 0, [], 0
         self._in_flight, self._busy_since = 0, 0.0
@@ -231,33 +289,44 @@ class _VLLMSession:
     def release(self, cache: KVPrefix | None) -> None:
         pass
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutput:
-        body = self.sampler.completion_body(request)
+    async def generate(self, request: GenerationRequest,
+                       on_token: Callable[[int], None] | None = None) -> GenerationOutput:
+        """One turn; with `on_token`, streamed, each sampled id handed to it as it arrives (a turn
+        is moved to another server only before its first token)."""
+        body = self.sampler.completion_body(request, self.sampling)
         attempts = 2 * len(self.sampler.servers) + 1  # every server twice, and one more
         policy = async_retrying(attempts=attempts, base_s=0.2, max_s=2.0, retry=retry_transient_http)
         self._begin()
         try:
-            response = await policy(self._attempt, body, request.affinity)
+            answer = await policy(self._attempt, body, request.affinity, on_token)
         finally:
             self._end()
-        if not response.is_success:
-            raise VLLMError(f"vLLM answered {response.status_code}: {excerpt(response.text)}")
+        if isinstance(answer, httpx.Response):
+            if not answer.is_success:
+                raise VLLMError(f"vLLM answered {answer.status_code}: {excerpt(answer.text)}",
+                                status=answer.status_code)
+            answer = _output(answer.json())
         self.prefill_tokens += len(request.context_ids)
-        return _output(response.json())
+        return answer
 
-    async def _attempt(self, body: dict[str, Any], affinity: str | None) -> httpx.Response:
+    async def _attempt(self, body: dict[str, Any], affinity: str | None,
+                       on_token: Callable[[int], None] | None) -> httpx.Response | GenerationOutput:
         server = self.sampler._pick(affinity, self._pinned)
         server.outstanding += 1
+        url = f"{server.url}/v1/completions"
         try:
-            response = await self.http.post(f"{server.url}/v1/completions", json=body)
+            if on_token is None:
+                answer: httpx.Response | GenerationOutput = await self.http.post(url, json=body)
+            else:
+                answer = await _streamed(self.http, url, body, on_token)
         except httpx.TransportError as exc:
             self.sampler._rest(server, f"{type(exc).__name__}: {exc}")
             raise
         finally:
             server.outstanding -= 1
-        if retryable_status(response.status_code):
-            self.sampler._rest(server, f"answered {response.status_code}")
-        return response
+        if isinstance(answer, httpx.Response) and retryable_status(answer.status_code):
+            self.sampler._rest(server, f"answered {answer.status_code}")
+        return answer
 
     def _begin(self) -> None:
         if self._in_flight == 0:
@@ -269,6 +338,42 @@ class _VLLMSession:
         self._in_flight -= 1
         if self._in_flight == 0:
             self.generation_s += time.perf_counter() - self._busy_since
+
+
+async def _streamed(http: httpx.AsyncClient, url: str, body: dict[str, Any],
+                    on_token: Callable[[int], None]) -> httpx.Response | GenerationOutput:
+    """A streamed completion: the ids and log-probs of its chunks, each id handed to `on_token` as
+    it arrives; the answer itself when it is not a stream (an error status). A connection lost
+    after the first token is a VLLMError, not retried: those tokens were handed on."""
+    output = GenerationOutput()
+    async with http.stream("POST", url, json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response
+        try:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    _take_chunk(json.loads(line[len("data: "):]), output, on_token)
+        except httpx.TransportError as exc:
+            if not output.token_ids:
+                raise
+            raise VLLMError(f"the vLLM stream broke off after {len(output.token_ids)} tokens: {exc}") from exc
+    return output
+
+
+def _take_chunk(chunk: dict[str, Any], output: GenerationOutput, on_token: Callable[[int], None]) -> None:
+    if "error" in chunk:
+        raise VLLMError(f"vLLM failed mid-stream: {excerpt(json.dumps(chunk['error']))}")
+    for choice in chunk.get("choices") or []:  # the last chunk (usage) has none
+        if choice.get("finish_reason"):
+            output.finish = "stop" if choice["finish_reason"] == "stop" else "length"
+        if not choice.get("token_ids"):
+            continue
+        part = _output({"choices": [choice]})
+        output.token_ids += part.token_ids
+        output.logprobs += part.logprobs
+        for token in part.token_ids:
+            on_token(token)
 
 
 def _output(completion: dict[str, Any]) -> GenerationOutput:
