@@ -1,4 +1,4 @@
-"""A LoRA job trained end to end with its rollouts sampled by a real vLLM server: the openai SDK
+"""A LoRA job trained end to end with its rollouts sampled by a real vLLM server, then served there: the openai SDK
 creates it, a real Celery worker trains SmolLM2-135M-Instruct and, after every step, loads the new
 adapter on the server; and a job whose vLLM does not answer fails with a clear error."""
 
@@ -13,7 +13,10 @@ import openai
 import pytest
 
 from app.core.config import Settings
-from tests.conftest import VLLM_MODEL, free_port, job_body, jsonl, live_server, question_rows, vllm_process, wait_for
+from tests.conftest import (
+    VLLM_MODEL, agent_rft_inference, free_port, job_body, jsonl, live_server, make_project, question_rows, vllm_process,
+    wait_for,
+)
 from tests.rl.tool_server import tool_server
 from tests.test_training_e2e import celery_worker, rows, training_settings  # noqa: F401 - the fixture
 
@@ -37,24 +40,54 @@ def served(url: str) -> set[str]:
     return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
 
 
-def test_a_lora_job_samples_its_rollouts_on_vllm(training_settings: Settings, project, vllm_server):  # noqa: ANN001, F811
+def test_a_lora_job_is_trained_on_vllm_and_served_there(training_settings: Settings, project, vllm_server):  # noqa: ANN001, F811
+    """Rollouts sampled on vLLM, a new adapter loaded after each step; then the job's model and a
+    checkpoint answered through the API by an inference server on the vLLM backend, to this project
+    only."""
     training_settings.vllm_urls = [vllm_server]
-    with live_server(training_settings) as base, tool_server() as (tool_url, _), \
-            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
-            celery_worker(training_settings, base) as (_, log):
-        job_id = create_job(sdk, tool_url, VLLM_MODEL)  # sampler "auto": the worker has a vLLM server
-        wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=600,
-                 interval=1.0)
-        job = sdk.fine_tuning.jobs.retrieve(job_id)
-        assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
-        events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+    serving = training_settings.model_copy(update={"inference_backend": "vllm", "inference_models": [VLLM_MODEL]})
+    with agent_rft_inference(serving, token=training_settings.worker_token.get_secret_value()) as (inference, _, _):
+        training_settings.inference_url = inference
+        with live_server(training_settings) as base, tool_server() as (tool_url, _), \
+                openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+                celery_worker(training_settings, base) as (_, log):
+            job_id = create_job(sdk, tool_url, VLLM_MODEL)  # sampler "auto": the worker has a vLLM server
+            wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=600,
+                     interval=1.0)
+            job = sdk.fine_tuning.jobs.retrieve(job_id)
+            assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
+            events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+            trained_on = served(vllm_server)
+            final, streamed = serve_on_vllm(sdk, base, job, training_settings)
+            adapters = httpx.get(f"{inference}/healthz", timeout=10).json()["adapters"]
     assert any(e.message.startswith(f"Rollouts are sampled on vLLM: {vllm_server}") for e in events)
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
     assert [m["train"]["policy_version"] for m in metrics] == [0, 1]  # step 1 on the base, step 2 on v1
     assert all(m["train"]["logprob_mismatch"] is not None and m["train"]["logprob_mismatch"] < 0.1 for m in metrics)
-    assert not {name for name in served(vllm_server) if name.startswith(job_id)}  # unloaded when the job ended
+    assert not {name for name in trained_on if name.startswith(job_id)}  # unloaded when the job ended
     policy_dirs = list((training_settings.checkpoint_dir / job_id / "policy").iterdir())
     assert [p.name for p in policy_dirs] == ["v2"]
+    assert final == streamed
+    assert adapters and set(adapters) <= served(vllm_server)  # the checkpoint's adapter, loaded on demand
+
+
+def serve_on_vllm(sdk: openai.OpenAI, base: str, job, settings: Settings) -> tuple[str, str]:  # noqa: ANN001
+    """The job's model (greedy, and streamed) and its first checkpoint through the API; another
+    project cannot see them."""
+    checkpoints = sorted(sdk.fine_tuning.jobs.checkpoints.list(job.id), key=lambda c: c.step_number)
+    question = dict(messages=[{"role": "user", "content": "Name three colours of the rainbow."}], max_tokens=16,
+                    temperature=0)
+    final = sdk.chat.completions.create(model=job.fine_tuned_model, **question)
+    first = sdk.chat.completions.create(model=checkpoints[0].fine_tuned_model_checkpoint, **question)
+    chunks = sdk.chat.completions.create(model=job.fine_tuned_model, stream=True, **question)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert final.usage.completion_tokens == 16 and final.model == job.fine_tuned_model
+    assert first.model == checkpoints[0].fine_tuned_model_checkpoint and first.choices[0].message.content
+    other = make_project(settings)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=other["key"], max_retries=0) as outsider, \
+            pytest.raises(openai.NotFoundError):
+        outsider.chat.completions.create(model=job.fine_tuned_model, **question)
+    return final.choices[0].message.content, streamed
 
 
 @pytest.mark.parametrize("servers", ["dead", "none"])
