@@ -127,6 +127,12 @@ class ChatFormatter:
             raise ChatTemplateError(f"the chat template rendered {type(text).__name__}, not text")
         return text
 
+    def assistant_turn_text(self, message: dict[str, Any]) -> str:
+        """An assistant message as the model writes its turn: the content, then its OpenAI
+        `tool_calls` in the parser's syntax (what a rollout samples and the parser reads)."""
+        role, content = _role_and_text(message, 0)
+        return self._prepared_message(message, role, content)["content"]
+
     # -- what the template can do (probed once) ---------------------------------------------------
 
     def _template_renders_tools(self) -> bool:

@@ -23,10 +23,8 @@ import copy
 import logging
 import random
 import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -34,12 +32,13 @@ from app.graders.core import GraderContext
 from workers.rl.data import Prompt, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
 from workers.rl.grading import GradedRollout, grade_rollouts, load_grader, mean_or_none, sub_reward_means
 from workers.rl.hyperparameters import TrainingConfig, total_steps_for
-from workers.rl.models import LoadedModel, save_model_dir, training_mode
+from workers.rl.models import LoadedModel, training_mode
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import RolloutEngine
-from workers.rl.sampler import Sampler, SamplerUnavailable
+from workers.rl.sampler import Sampler
 from workers.rl.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
-from workers.rl.training_state import TrainingProgress, load_training_state, save_training_state
+from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
+from workers.rl.training_state import TrainingProgress, load_training_state
 from workers.rl.update import (
     Collated,
     LossSettings,
@@ -52,125 +51,23 @@ from workers.rl.update import (
 
 log = logging.getLogger(__name__)
 
-STATE_DIR = "state"
-CHECKPOINT_DIR = "checkpoints"
 POLICY_DIR = "policy"  # the current LoRA adapter, for a sampler in another process
 
 
-class TrainingHooks(Protocol):
-    """What the worker supplies: its reporting channel and its control signals. All async."""
-
-    async def on_step(self, step: int, metrics: dict, train_records: list[dict]) -> None: ...
-    async def on_eval(self, step: int, valid_reward_mean: float, valid_records: list[dict]) -> None: ...
-    async def on_checkpoint(self, step: int, path: Path, metrics: dict) -> list[str]: ...
-    async def on_state_saved(self, completed_steps: int, state_path: Path, trained_tokens: int) -> None: ...
-    async def control(self) -> str: ...  # "continue" | "pause" | "cancel"
-    async def on_event(self, level: str, message: str, data: dict | None) -> None: ...
-
-
-@dataclass
-class TrainingOutcome:
-    status: str  # "succeeded" | "paused" | "cancelled" | "failed"
-    completed_steps: int
-    total_steps: int
-    trained_tokens: int
-    error: dict | None  # {"code", "message", "param"} when failed
-    final_checkpoint: Path | None
-
-
-class RunInterrupted(Exception):
-    """Raised by a hook when this worker can no longer carry the run for a reason outside training
-    (its control plane is out of reach, or took the run away): the trainer stops at once and
-    reports nothing, so the run resumes elsewhere from its last saved state. Never a failure."""
-
-
-class StepFailure(Exception):
-    """A step that must fail the job with an OpenAI-style error code."""
-
-    def __init__(self, code: str, message: str, data: dict | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data or {}
-
-
-class Trainer:
+class Trainer(TrainingRun):
     def __init__(self, *, loaded: LoadedModel, config: TrainingConfig, train_rows: list[dict], valid_rows: list[dict],
                  grader: Any, grader_ctx: GraderContext, tool_client: Any, job_tools: list[dict], work_dir: Path,
                  hooks: TrainingHooks, resume_state: Path | None = None, sampler: Sampler | None = None) -> None:
-        self.loaded, self.config = loaded, config
+        super().__init__(loaded=loaded, config=config, work_dir=work_dir, hooks=hooks, resume_state=resume_state,
+                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs))
         self.train_rows, self.valid_rows = train_rows, valid_rows
         self.grader, self.grader_ctx, self.tool_client = grader, grader_ctx, tool_client
-        self.job_tools, self.hooks, self.resume_state = job_tools, hooks, resume_state
+        self.job_tools = job_tools
         self.sampler = sampler  # None: the in-process engine on the model being trained
         self.failovers_reported = 0
-        self.work_dir = Path(work_dir)
-        self.total_steps = total_steps_for(len(train_rows), config.batch_size, config.n_epochs)
-        self.progress = TrainingProgress()
-        self.model: torch.nn.Module | None = None  # the module being trained (peft model for LoRA)
 
-    @property
-    def state_path(self) -> Path:
-        return self.work_dir / STATE_DIR
-
-    # -- the run and its outcomes ----------------------------------------------------------------
-
-    async def run(self) -> TrainingOutcome:
-        """Train until done, paused, cancelled or failed. Never raises for a training problem:
-        every failure is an outcome with an error code, announced by an error event. A hook's
-        RunInterrupted passes through."""
-        try:
-            return await self._run()
-        except RunInterrupted:
-            raise
-        except StepFailure as failure:
-            return await self._failed(failure.code, failure.message, failure.data)
-        except SamplerUnavailable as exc:
-            return await self._failed("sampler_unavailable", f"at step {self.progress.step + 1}: {exc}", {})
-        except Exception as exc:  # noqa: BLE001 - a job must end with a reason, never a crashed worker
-            if _is_out_of_memory(exc):
-                return await self._failed("out_of_memory", f"out of memory at step {self.progress.step + 1}: {exc}. "
-                                          "Lower batch_size, compute_multiplier, the token caps or micro_batch_tokens, "
-                                          "or use LoRA.", {})
-            log.exception("training failed")
-            return await self._failed("training_error", f"{type(exc).__name__}: {exc}", {})
-
-    async def _run(self) -> TrainingOutcome:
-        await asyncio.to_thread(self._setup)
-        await self._announce_start()
-        if self.progress.step > 0:  # resumed: the sampler starts from the restored policy
-            await self._publish_policy(self.progress.step)
-        while self.progress.step < self.total_steps:
-            decision = await self.hooks.control()
-            if decision == "cancel":
-                await self._event("info", f"Training cancelled after step {self.progress.step} of {self.total_steps}.")
-                return self._outcome("cancelled")
-            if decision == "pause":
-                await self._save_state()
-                await self._event("info", f"Training paused after step {self.progress.step} of {self.total_steps}; "
-                                  "its state is saved and it resumes from there.")
-                return self._outcome("paused")
-            if decision != "continue":
-                raise ValueError(f"hooks.control() returned {decision!r}; expected 'continue', 'pause' or 'cancel'")
-            await self._train_step(self.progress.step + 1)
-        final = await self._final_checkpoint()
-        await self._event("info", f"Training finished: {self.total_steps} steps, {self.progress.trained_tokens} "
-                          f"trained tokens; final checkpoint {final.name}.")
-        return self._outcome("succeeded", final_checkpoint=final)
-
-    def _outcome(self, status: str, *, error: dict | None = None,
-                 final_checkpoint: Path | None = None) -> TrainingOutcome:
-        return TrainingOutcome(status, self.progress.step, self.total_steps, self.progress.trained_tokens,
-                               error, final_checkpoint)
-
-    async def _failed(self, code: str, message: str, data: dict) -> TrainingOutcome:
-        error = {"code": code, "message": message, "param": None}
-        try:
-            await self.hooks.on_event("error", message, {"error": error, **data})
-        except Exception:  # noqa: BLE001 - the outcome still says why
-            log.exception("could not report the failure event")
-        return self._outcome("failed", error=error)
-
-    async def _event(self, level: str, message: str, data: dict | None = None) -> None:
-        await self.hooks.on_event(level, message, data)
+    async def _resumed(self) -> None:
+        await self._publish_policy(self.progress.step)  # the sampler starts from the restored policy
 
     async def _announce_start(self) -> None:
         c = self.config
@@ -375,58 +272,3 @@ class Trainer:
             await self._event("warn", f"Step {step}: {tool + grader} of {len(graded)} rollouts excluded from the "
                               f"update ({tool} tool failures, {grader} grader failures).",
                               {"step": step, "tool_failures": tool, "grader_failures": grader})
-
-    async def _checkpoint(self, step: int, metrics: dict[str, Any]) -> Path:
-        path = await asyncio.to_thread(self._save_checkpoint, step)
-        for doomed in await self.hooks.on_checkpoint(step, path, metrics) or []:
-            await self._delete_checkpoint(Path(doomed), keep=path)
-        return path
-
-    def _save_checkpoint(self, step: int) -> Path:
-        """work_dir/checkpoints/step-N, loadable with plain transformers (full) or peft (LoRA)."""
-        root = self.work_dir / CHECKPOINT_DIR
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{step}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}.tmp-", dir=root))
-        try:
-            if self.config.training_mode == "lora":
-                self.model.save_pretrained(str(tmp))  # the adapter: PeftModel.from_pretrained(base, dir)
-                self.loaded.tokenizer.save_pretrained(str(tmp))
-            else:
-                save_model_dir(self.model, self.loaded.tokenizer, tmp)  # also for GGUF-loaded models
-            if final.exists():  # a step re-run after a crash: replace its checkpoint
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
-
-    async def _delete_checkpoint(self, path: Path, *, keep: Path) -> None:
-        root = (self.work_dir / CHECKPOINT_DIR).resolve()
-        resolved = path.resolve()
-        if resolved == keep.resolve() or resolved.parent != root:
-            await self._event("warn", f"Not deleting checkpoint {path}: only older checkpoints under {root} "
-                              "can be deleted.")
-            return
-        await asyncio.to_thread(shutil.rmtree, resolved, True)
-
-    async def _final_checkpoint(self) -> Path:
-        """The last step's checkpoint (written at that step's eval); written now when a run is
-        resumed after its last step without it."""
-        final = self.work_dir / CHECKPOINT_DIR / f"step-{self.total_steps}"
-        if not final.is_dir():
-            final = await self._checkpoint(self.total_steps, {"step": self.total_steps,
-                                                              "total_steps": self.total_steps})
-        return final
-
-    async def _save_state(self) -> None:
-        path = await asyncio.to_thread(save_training_state, self.state_path, model=self.model,
-                                       optimizer=self.optimizer, progress=self.progress)
-        await self.hooks.on_state_saved(self.progress.step, path, self.progress.trained_tokens)
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

@@ -223,11 +223,22 @@ def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.dev
 def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
     """Log-probs [B, P] of the token at each position+1 where the loss mask is set (0 elsewhere),
     at the sampling temperature (as generation.sequence_logprobs computes them), over the full
-    vocabulary. A shared prefix runs once, its keys and values repeated for every row (the
-    gradient flows back through them). The vocabulary projection and its log-softmax, the largest
-    tensors of the update, run only on the hidden states of the sampled tokens' positions: a row's
-    prompt and tool-output positions, and the positions only other rows of the micro-batch sample
-    at, are skipped."""
+    vocabulary."""
+    logits, targets, (rows, columns) = target_logits(model, batch)
+    if temperature > 0 and temperature != 1.0:  # x / 1 is x: spares a [positions, vocabulary] op and its backward
+        logits = logits / temperature
+    sampled = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(batch.loss_mask.shape, dtype=sampled.dtype, device=sampled.device).index_put((rows, columns),
+                                                                                                     sampled)
+
+
+def target_logits(model: torch.nn.Module, batch: Collated) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The float logits [N, V] at the N positions whose next token is in the loss mask, those
+    next tokens [N], and where they sit in the mask (rows, columns). A shared prefix runs once,
+    its keys and values repeated for every row (the gradient flows back through them). The
+    vocabulary projection, the largest tensor of an update, runs only on those positions: a row's
+    prompt and tool-output positions, and the positions only other rows of the micro-batch
+    sample at, are skipped."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the wrapped model
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     positions = batch.positions[columns]
@@ -244,12 +255,7 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
         hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, cache=prefix,
                          use_cache=prefix is not None).last_hidden_state
         logits = causal_lm.get_output_embeddings()(hidden[rows, positions]).float()
-    if temperature > 0 and temperature != 1.0:  # x / 1 is x: spares a [positions, vocabulary] op and its backward
-        logits = logits / temperature
-    targets = batch.input_ids[rows, positions + 1]
-    sampled = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return torch.zeros(batch.loss_mask.shape, dtype=sampled.dtype, device=sampled.device).index_put((rows, columns),
-                                                                                                     sampled)
+    return logits, batch.input_ids[rows, positions + 1], (rows, columns)
 
 
 def micro_batch_loss(new_logprobs: torch.Tensor, batch: Collated, settings: LossSettings, n_sequences: int,

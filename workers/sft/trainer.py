@@ -1,0 +1,136 @@
+"""The supervised trainer: the shared training lifecycle (workers/rl/training_run.py: pause,
+cancel, checkpoints, resumable state) with a cross-entropy step. One step reads top to bottom:
+
+1. batch: the next `batch_size` rows of the seeded data stream (as reinforcement jobs take them);
+2. update: one optimizer step on the rows' assistant tokens (workers/sft/loss.py); the step's
+   `train_loss` and `train_mean_token_accuracy` are those of the weights before it;
+3. every `eval_interval` steps: `valid_loss`, `valid_mean_token_accuracy` on a fixed subset of the
+   validation rows, and a checkpoint; at the last step `full_valid_*` on every validation row;
+4. report the step's metrics (OpenAI's names) and save the resumable state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.rl.data import take_batch
+from workers.rl.hyperparameters import total_steps_for
+from workers.rl.models import LoadedModel, training_mode
+from workers.rl.prompting import ChatFormatter
+from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
+from workers.rl.training_state import TrainingProgress, load_training_state
+from workers.rl.update import TrainSequence
+from workers.sft.data import BadExample, examples_from_rows
+from workers.sft.hyperparameters import SupervisedConfig
+from workers.sft.loss import TokenScores, score, supervised_update
+
+
+class SupervisedTrainer(TrainingRun):
+    def __init__(self, *, loaded: LoadedModel, config: SupervisedConfig, train_rows: list[dict],
+                 valid_rows: list[dict], work_dir: Path, hooks: TrainingHooks, resume_state: Path | None = None) -> None:
+        super().__init__(loaded=loaded, config=config, work_dir=work_dir, hooks=hooks, resume_state=resume_state,
+                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs))
+        self.train_rows, self.valid_rows = train_rows, valid_rows
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        c = self.config
+        if not self.train_rows:
+            raise ValueError("the training file has no rows")
+        formatter = ChatFormatter(self.loaded.tokenizer)
+        try:
+            self.train = examples_from_rows(self.train_rows, formatter, max_tokens=c.max_seq_tokens, source="training")
+            self.valid = examples_from_rows(self.valid_rows, formatter, max_tokens=c.max_seq_tokens,
+                                            source="validation")
+        except BadExample as exc:
+            raise StepFailure("invalid_training_file", f"{exc}") from exc
+        self.valid_subset = self._pick_valid_subset(self.valid.sequences)
+        torch.manual_seed(c.seed)  # LoRA's initial weights
+        random.seed(c.seed)
+        self.model = training_mode(self.loaded, c.training_mode, rank=c.lora_rank, alpha=c.lora_alpha)
+        self.model.eval()  # no dropout
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, weight_decay=0.0)
+        tokenizer = self.loaded.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        fingerprint = {"method": "supervised", "training_mode": c.training_mode, "lora_rank": c.lora_rank,
+                       "lora_alpha": c.lora_alpha, "seed": c.seed, "batch_size": c.batch_size,
+                       "n_train": len(self.train_rows), "total_steps": self.total_steps}
+        if self.resume_state is not None:
+            self.progress = load_training_state(self.resume_state, model=self.model, optimizer=self.optimizer,
+                                                fingerprint=fingerprint)
+        else:
+            self.progress = TrainingProgress(fingerprint=fingerprint)
+
+    def _pick_valid_subset(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
+        """A fixed, seeded subset, the same at every eval so the curve compares like with like."""
+        if len(sequences) <= self.config.valid_samples:
+            return list(sequences)
+        chosen = random.Random(f"agent-rft/{self.config.seed}/valid").sample(range(len(sequences)),
+                                                                              self.config.valid_samples)
+        return [sequences[i] for i in sorted(chosen)]
+
+    async def _announce_start(self) -> None:
+        c = self.config
+        data = {"total_steps": self.total_steps, "batch_size": c.batch_size, "n_epochs": c.n_epochs,
+                "learning_rate": c.learning_rate, "training_mode": c.training_mode, "eval_interval": c.eval_interval,
+                "trained_tokens_per_epoch": self.train.trained_tokens, "truncated_rows": self.train.truncated}
+        if self.train.truncated:
+            await self._event("warn", f"{self.train.truncated} of {len(self.train_rows)} training rows are longer than "
+                              f"max_seq_tokens ({c.max_seq_tokens}) and were truncated.", data)
+        if self.progress.step:
+            await self._event("info", f"Resumed supervised training at step {self.progress.step} of "
+                              f"{self.total_steps}.", data)
+        else:
+            await self._event("info", f"Supervised training started: {self.total_steps} steps of {c.batch_size} "
+                              f"examples ({c.training_mode}).", data)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    async def _train_step(self, step: int) -> None:
+        c, started = self.config, time.perf_counter()
+        rows, next_position = take_batch(self.progress.position, len(self.train.sequences), c.seed, c.batch_size)
+        batch = [self.train.sequences[row] for row in rows]
+        trained = await asyncio.to_thread(supervised_update, self.model, self.optimizer, batch,
+                                          pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
+                                          max_grad_norm=c.max_grad_norm)
+        evaluating = step % c.eval_interval == 0 or step == self.total_steps
+        valid = await self._score(self.valid_subset) if evaluating and self.valid_subset else None
+        full_valid = await self._score(self.valid.sequences) if step == self.total_steps and self.valid.sequences \
+            else None
+        metrics = _step_metrics(step, self.total_steps, trained, valid, full_valid,
+                                learning_rate=self.optimizer.param_groups[0]["lr"],
+                                step_s=time.perf_counter() - started)
+        await self.hooks.on_step(step, metrics, [])
+        if evaluating:
+            await self._checkpoint(step, metrics)
+        self.progress.step = step
+        self.progress.trained_tokens += sum(len(s.token_ids) for s in batch)
+        self.progress.position = next_position
+        if step % c.state_interval == 0 or step == self.total_steps:
+            await self._save_state()
+
+    async def _score(self, sequences: list[TrainSequence]) -> TokenScores:
+        return await asyncio.to_thread(score, self.model, sequences, pad_token_id=self.pad_token_id,
+                                       micro_batch_tokens=self.config.micro_batch_tokens)
+
+
+def _step_metrics(step: int, total_steps: int, trained: TokenScores, valid: TokenScores | None,
+                  full_valid: TokenScores | None, *, learning_rate: float, step_s: float) -> dict[str, Any]:
+    """OpenAI's metrics for a supervised step (its event's `data`), plus the `train` and `timing` blocks."""
+    metrics: dict[str, Any] = {"step": step, "total_steps": total_steps, "train_loss": trained.loss,
+                               "train_mean_token_accuracy": trained.accuracy}
+    for prefix, scores in (("valid", valid), ("full_valid", full_valid)):
+        if scores is not None:
+            metrics[f"{prefix}_loss"], metrics[f"{prefix}_mean_token_accuracy"] = scores.loss, scores.accuracy
+    metrics["train"] = {"learned_tokens": trained.tokens, "grad_norm": trained.grad_norm,
+                        "learning_rate": learning_rate}
+    metrics["timing"] = {"step_s": step_s}
+    return metrics
