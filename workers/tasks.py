@@ -82,7 +82,7 @@ class JobRun:
         self.work_dir = Path(settings.resolved_checkpoint_dir) / self.job_id
 
     def run(self) -> dict[str, Any]:
-        from workers.rl.trainer import RunInterrupted
+        from workers.rl.training_run import RunInterrupted
 
         self.heartbeat.start()
         try:
@@ -122,7 +122,8 @@ class JobRun:
         from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.models import load_model
         from workers.rl.tools_client import ToolClient
-        from workers.rl.trainer import Trainer, TrainingOutcome
+        from workers.rl.trainer import Trainer
+        from workers.rl.training_run import TrainingOutcome
 
         job, reinforcement = self.job, self.job.method.reinforcement
         train_rows, valid_rows = self._rows(job.training_file), self._rows(job.validation_file)
@@ -161,7 +162,7 @@ class JobRun:
     async def _sampler(self, config: Any, hooks: ControlHooks) -> Any:
         """The vLLM fleet where the job asks for it (x_open_model.sampler) or "auto" finds one for a
         LoRA job; None for the in-process engine; the failed TrainingOutcome when none answers."""
-        from workers.rl.trainer import TrainingOutcome
+        from workers.rl.training_run import TrainingOutcome
         from workers.rl.vllm_sampler import VLLMSampler, VLLMUnavailable
 
         choice, urls = self.job.method.reinforcement.x_open_model.sampler, self.settings.vllm_urls
@@ -194,7 +195,7 @@ class JobDiagnostic:
 
     async def run(self, loaded: Any, rows: list[dict[str, Any]]) -> Any:
         """The rows to train on, or the TrainingOutcome that ends the job here."""
-        from workers.rl.trainer import RunInterrupted
+        from workers.rl.training_run import RunInterrupted
 
         run = self.run_
         found = await asyncio.to_thread(run.client.job_diagnostic, run.job_id, run.lease_id)
@@ -228,7 +229,7 @@ class JobDiagnostic:
 
     async def _stopped(self, diagnostic_id: str, status: str) -> Any:
         """The job's outcome when its diagnostic did not succeed: the user's pause or cancel, or a failure."""
-        from workers.rl.trainer import TrainingOutcome
+        from workers.rl.training_run import TrainingOutcome
 
         action = await asyncio.to_thread(self.run_.heartbeat.beat)
         if action in ("pause", "cancel", "lost"):
@@ -241,7 +242,7 @@ class JobDiagnostic:
     async def _drop_zero_signal(self, diagnostic_id: str, diagnostic: Any,
                                 rows: list[dict[str, Any]]) -> Any:
         from app.diagnostics.summary import zero_signal_samples
-        from workers.rl.trainer import TrainingOutcome
+        from workers.rl.training_run import TrainingOutcome
 
         zero = set(zero_signal_samples(diagnostic.samples or []))
         kept = [row for index, row in enumerate(rows) if index not in zero]
@@ -265,7 +266,7 @@ class ControlHooks:
         self._events = 0
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        from workers.rl.trainer import RunInterrupted
+        from workers.rl.training_run import RunInterrupted
 
         try:
             return await asyncio.to_thread(fn, self.job_id, self.lease_id, *args, **kwargs)
@@ -287,7 +288,7 @@ class ControlHooks:
                          resolved_hyperparameters=self.resolved, trained_tokens=trained_tokens)
 
     async def control(self) -> str:
-        from workers.rl.trainer import RunInterrupted
+        from workers.rl.training_run import RunInterrupted
 
         action = await asyncio.to_thread(self.run.heartbeat.beat)
         if action == "unreachable":  # do not train a step that could not be reported
