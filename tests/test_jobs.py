@@ -133,8 +133,6 @@ BAD_BODIES = [
     (lambda b: b.update(training_file="file-doesnotexist"), "training_file"),
     (lambda b: b.update(validation_file="file-doesnotexist"), "validation_file"),
     (lambda b: b.pop("model"), "model"),
-    (lambda b: b.pop("method"), "method"),
-    (lambda b: b["method"].update(type="supervised"), "method.type"),
     (lambda b: b["method"].update(type="dpo"), "method.type"),
     (lambda b: b["method"].update(type="distillation"), "method.type"),
     (lambda b: b.update(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
@@ -156,11 +154,12 @@ def test_bad_job_requests_get_400_naming_the_field(api, change, param):
     assert api.get("/v1/fine_tuning/jobs").json()["data"] == []  # nothing half-created
 
 
-def test_supervised_is_refused_clearly(api):
+def test_dpo_is_refused_clearly(api):
     file_id = api.upload_ok(question_rows())
-    response = create(api, {"model": "m", "training_file": file_id, "method": {"type": "supervised", "supervised": {}}})
+    response = create(api, {"model": "m", "training_file": file_id, "method": {"type": "dpo", "dpo": {}}})
     assert response.json()["error"]["code"] == "unsupported_method"
-    assert "reinforcement" in response.json()["error"]["message"]
+    assert "'reinforcement'" in response.json()["error"]["message"]
+    assert "'supervised'" in response.json()["error"]["message"]
 
 
 def test_ssrf_guard_on_tool_and_grader_urls(client, app, project):

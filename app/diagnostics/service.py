@@ -60,7 +60,8 @@ def create(*, session: Session, settings: Settings, project_id: str, body: Diagn
                                request_hash=request_hash)
     if replay is not None:
         return get(session=session, project_id=project_id, diagnostic_id=replay), False
-    method = jobs.check_method(body.method, settings)
+    # A diagnostic measures the reward variance of rollouts: a reinforcement method's only.
+    method = jobs.check_method(body.method, settings, supported=("reinforcement",))
     jobs.check_file(session, project_id, body.training_file, "training_file")
     diagnostic = Diagnostic(
         id=new_id("diag-"), project_id=project_id, model=body.model, training_file=body.training_file,

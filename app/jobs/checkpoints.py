@@ -87,11 +87,11 @@ def _hyperparameters(job: Job) -> dict[str, Any]:
     """The values the worker trained with; before it reported them, the job's (maybe "auto")."""
     if job.resolved_hyperparameters:
         return job.resolved_hyperparameters
-    return ((job.method or {}).get("reinforcement") or {}).get("hyperparameters") or {}
+    return jobs.method_block(job.method or {}).get("hyperparameters") or {}
 
 
 def _open_model(job: Job) -> dict[str, Any]:
-    return ((job.method or {}).get("reinforcement") or {}).get("x_open_model") or {}
+    return jobs.method_block(job.method or {}).get("x_open_model") or {}
 
 
 def base_model(model: str) -> tuple[str, str]:
@@ -175,6 +175,7 @@ def render_readme(job: Job, checkpoint: Checkpoint, *, top: str, lora: bool | No
     """The archive's README.md. `lora`: whether the files are a LoRA adapter (adapter_config.json);
     None falls back to the job's x_open_model.training_mode."""
     options = _open_model(job)
+    kind = (job.method or {}).get("type", "reinforcement")
     if lora is None:
         lora = options.get("training_mode", "lora") == "lora"
     mode = (f"LoRA adapter (rank {options.get('lora_rank', '?')}, alpha {options.get('lora_alpha', '?')})" if lora
@@ -183,7 +184,7 @@ def render_readme(job: Job, checkpoint: Checkpoint, *, top: str, lora: bool | No
     created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)  # SQLite: naive, in UTC
     lines = [
         f"# {top}", "",
-        f"A checkpoint of the reinforcement fine-tuning job `{job.id}`, downloaded from agent-rft.", "",
+        f"A checkpoint of the {kind} fine-tuning job `{job.id}`, downloaded from agent-rft.", "",
         "| | |", "|---|---|",
         f"| Job | `{job.id}` |",
         f"| Checkpoint | `{checkpoint.id}` |",
@@ -198,7 +199,7 @@ def render_readme(job: Job, checkpoint: Checkpoint, *, top: str, lora: bool | No
          if job.resolved_hyperparameters else "As the job set them (the worker had not reported its resolved values):"),
         "",
         _json_block(_hyperparameters(job)), "",
-        "Open-model options (`method.reinforcement.x_open_model`):", "",
+        f"Open-model options (`method.{kind}.x_open_model`):", "",
         _json_block(options), "",
         "## Metrics at this checkpoint", "",
         _json_block(checkpoint.metrics or {}), "",

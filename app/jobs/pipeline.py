@@ -21,13 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def _file_report(session: Session, storage: Storage, project_id: str, file_id: str,
-                 declared: set[str]) -> FileReport | str:
+                 declared: set[str], method_type: str) -> FileReport | str:
     row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
     if row is None:
         return f"file '{file_id}' no longer exists"
     try:
         with storage.open(row.storage_key) as fh:
-            return validate_jsonl(fh, declared_tools=declared)
+            return validate_jsonl(fh, declared_tools=declared, method_type=method_type)
     except FileNotFoundError:
         return f"the stored bytes of file '{file_id}' are missing"
 
@@ -60,7 +60,7 @@ def validate_job_files(session: Session, storage: Storage, job: Job, *, min_rows
         files.append(("validation_file", job.validation_file, 1))
     for param, file_id, rows_needed in files:
         failure, rows = check_file_rows(session, storage, project_id=job.project_id, param=param, file_id=file_id,
-                                        declared_tools=declared, min_rows=rows_needed)
+                                        declared_tools=declared, min_rows=rows_needed, method_type=job.method["type"])
         if failure:
             return failure
         add_event(session, job, f"{param} '{file_id}' is valid: {rows} row{'s' if rows != 1 else ''}.")
@@ -68,10 +68,11 @@ def validate_job_files(session: Session, storage: Storage, job: Job, *, min_rows
 
 
 def check_file_rows(session: Session, storage: Storage, *, project_id: str, param: str, file_id: str,
-                    declared_tools: set[str], min_rows: int) -> tuple[dict[str, Any] | None, int]:
-    """Every line of a stored JSONL file checked: (the error to report or None, valid rows).
-    Jobs and variance diagnostics validate their files with this."""
-    report = _file_report(session, storage, project_id, file_id, declared_tools)
+                    declared_tools: set[str], min_rows: int,
+                    method_type: str = "reinforcement") -> tuple[dict[str, Any] | None, int]:
+    """Every line of a stored JSONL file checked, as rows of `method_type`: (the error to report or
+    None, valid rows). Jobs and variance diagnostics validate their files with this."""
+    report = _file_report(session, storage, project_id, file_id, declared_tools, method_type)
     failure = _failure(param, file_id, report, min_rows)
     return failure, (0 if isinstance(report, str) else report.rows)
 

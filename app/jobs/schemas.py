@@ -40,12 +40,21 @@ def auto_or(kind: type, low: float, high: float, *, low_open: bool = False) -> A
     return Annotated[Any, PlainValidator(check), WithJsonSchema(schema)]
 
 
-class ReinforcementHyperparameters(BaseModel):
+class Hyperparameters(BaseModel):
+    """OpenAI's three hyperparameters, which every method takes."""
+
     model_config = ConfigDict(extra="forbid")
 
     batch_size: auto_or(int, 1, 256) = "auto"
     n_epochs: auto_or(int, 1, 50) = "auto"
     learning_rate_multiplier: auto_or(float, 0, 10, low_open=True) = "auto"
+
+
+class SupervisedHyperparameters(Hyperparameters):
+    """`method.supervised.hyperparameters`: OpenAI's three, no more."""
+
+
+class ReinforcementHyperparameters(Hyperparameters):
     compute_multiplier: auto_or(float, 0, 10, low_open=True) = "auto"
     eval_interval: auto_or(int, 1, 10000) = "auto"
     eval_samples: auto_or(int, 1, 10000) = "auto"
@@ -111,19 +120,28 @@ class ToolEndpoint(BaseModel):
         return check_http_url(url)
 
 
-class OpenModelOptions(BaseModel):
-    """Extension for open-weight models. Every field has a default."""
+class ModelOptions(BaseModel):
+    """Extension for open-weight models, the options every method takes. Every field has a default."""
 
     model_config = ConfigDict(extra="forbid")
 
     training_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or all parameters.")
     lora_rank: int = Field(16, ge=1, le=512)
     lora_alpha: int = Field(32, ge=1, le=1024)
+    learning_rate: float | None = Field(
+        None, gt=0, le=1, description="Absolute learning rate; overrides learning_rate_multiplier × the base rate.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weights' precision for sampling and training: auto is bfloat16 on a GPU, float32 on a "
+                            "CPU. bfloat16 on a CPU with native support (AVX512-BF16, AMX) is about 1.5x faster; "
+                            "LoRA adapters and the optimizer stay in float32.")
+
+
+class OpenModelOptions(ModelOptions):
+    """`method.reinforcement.x_open_model`: the shared options plus the rollouts' and the loss's."""
+
     loss: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description="Advantage estimator and normalisation.")
     kl_coef: float = Field(0.0, ge=0, le=10, description="Weight of the KL penalty to the reference policy.")
     clip_epsilon: float = Field(0.2, gt=0, le=1, description="PPO-style ratio clip.")
-    learning_rate: float | None = Field(
-        None, gt=0, le=1, description="Absolute learning rate; overrides learning_rate_multiplier × the base rate.")
     max_tokens_per_turn: int = Field(256, ge=1, le=32768)
     max_tokens_per_rollout: int = Field(2048, ge=1, le=262144)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -133,10 +151,6 @@ class OpenModelOptions(BaseModel):
                                          "still running then is cancelled and the rollout ends as a tool failure "
                                          "(excluded from the update); past it between turns, the rollout ends "
                                          "as `deadline` and is graded as it stands. Default: no limit.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Weights' precision for sampling and training: auto is bfloat16 on a GPU, float32 on a "
-                            "CPU. bfloat16 on a CPU with native support (AVX512-BF16, AMX) is about 1.5x faster; "
-                            "LoRA adapters and the optimizer stay in float32.")
     diagnostic: JobDiagnosticOptions | None = Field(
         None, description="Run the variance diagnostic before training (docs/diagnostics.md).")
     importance_sampling_cap: float | None = Field(
@@ -176,10 +190,29 @@ class ReinforcementMethod(TrainingOptions):
     tools: list[ToolEndpoint] = Field(default_factory=list, max_length=64)
 
 
+class SupervisedModelOptions(ModelOptions):
+    """`method.supervised.x_open_model`: the shared options plus the sequence length and the
+    validation-loss cadence."""
+
+    max_seq_tokens: int = Field(
+        4096, ge=16, le=262144, description="Tokens of one row the model trains on: rows longer than this are "
+                                            "truncated, and counted, as OpenAI truncates over-long examples.")
+    eval_interval: int | None = Field(
+        None, ge=1, description="Steps between validation-loss evaluations; default: about 10 evaluations over "
+                                "the run.")
+
+
+class SupervisedMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hyperparameters: SupervisedHyperparameters = Field(default_factory=SupervisedHyperparameters)
+    x_open_model: SupervisedModelOptions = Field(default_factory=SupervisedModelOptions)
+
+
 class Method(BaseModel):
     type: Literal["reinforcement", "supervised", "dpo"]
     reinforcement: ReinforcementMethod | None = None
-    supervised: dict[str, Any] | None = None
+    supervised: SupervisedMethod | None = None
     dpo: dict[str, Any] | None = None
 
 
@@ -193,7 +226,9 @@ class JobCreate(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None
-    hyperparameters: dict[str, Any] | None = None
+    hyperparameters: dict[str, Any] | None = Field(
+        None, description="Deprecated by OpenAI: a supervised job's hyperparameters (method omitted, or supervised "
+                          "without its own); use method.supervised.hyperparameters.")
     integrations: list[dict[str, Any]] | None = None
 
     @field_validator("metadata")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -29,6 +31,8 @@ from app.jobs.schemas import (
     JobObject,
     Method,
     RolloutObject,
+    SupervisedHyperparameters,
+    SupervisedMethod,
 )
 from app.jobs import tool_headers
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
@@ -42,19 +46,24 @@ def public_method(method: dict[str, Any]) -> dict[str, Any]:
     return tool_headers.public_headers(method)
 
 
+def method_block(method: dict[str, Any]) -> dict[str, Any]:
+    """The block of a stored method that its type names: `method.reinforcement` or `method.supervised`."""
+    return method.get(method.get("type") or "") or {}
+
+
 def _with_resolved_hyperparameters(method: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
     """Once a worker has resolved the "auto" hyperparameters, report the values it trains with."""
-    reinforcement = method.get("reinforcement") or {}
-    if not resolved or not reinforcement:
+    block = method_block(method)
+    if not resolved or not block:
         return method
-    stored = reinforcement.get("hyperparameters") or {}
+    stored = block.get("hyperparameters") or {}
     merged = {**stored, **{k: resolved[k] for k in stored if k in resolved}}
-    return {**method, "reinforcement": {**reinforcement, "hyperparameters": merged}}
+    return {**method, method["type"]: {**block, "hyperparameters": merged}}
 
 
 def to_schema(job: Job) -> JobObject:
     method = _with_resolved_hyperparameters(job.method, job.resolved_hyperparameters)
-    hp = (method.get("reinforcement") or {}).get("hyperparameters", {})
+    hp = method_block(method).get("hyperparameters", {})
     return JobObject(
         id=job.id, created_at=unix(job.created_at), error=JobError(**job.error) if job.error else None,
         fine_tuned_model=job.fine_tuned_model, finished_at=unix(job.finished_at),
@@ -71,23 +80,57 @@ def to_schema(job: Job) -> JobObject:
 
 
 def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
-    if body.hyperparameters:
-        raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
-                          param="hyperparameters")
     if body.integrations:
         raise bad_request("Integrations are not supported by this service.", param="integrations")
-    return check_method(body.method, settings)
+    # Without `method`, OpenAI (and its SDK's jobs.create(model, training_file)) makes a supervised job.
+    method = _with_top_level_hyperparameters(body.method or Method(type="supervised"), body.hyperparameters)
+    return check_method(method, settings)
 
 
-def check_method(method: Method | None, settings: Settings) -> dict[str, Any]:
+def _with_top_level_hyperparameters(method: Method, hyperparameters: dict[str, Any] | None) -> Method:
+    """OpenAI's deprecated top-level `hyperparameters`, which only a supervised job still takes:
+    they become `method.supervised.hyperparameters`, checked as those are."""
+    if not hyperparameters:
+        return method
+    if method.type == "reinforcement":
+        raise bad_request("Top-level hyperparameters are deprecated; set method.reinforcement.hyperparameters.",
+                          param="hyperparameters")
+    if method.type != "supervised":
+        return method  # check_method refuses the type itself
+    supervised = method.supervised or SupervisedMethod()
+    if "hyperparameters" in supervised.model_fields_set:
+        raise bad_request("hyperparameters are given twice, at the top level (deprecated) and in "
+                          "method.supervised.hyperparameters; give only method.supervised.hyperparameters.",
+                          param="hyperparameters")
+    try:
+        parsed = SupervisedHyperparameters.model_validate(hyperparameters)
+    except ValidationError as exc:  # reported as the request's own field errors: param hyperparameters.<field>
+        raise RequestValidationError([{**e, "loc": ("body", "hyperparameters", *e["loc"])}
+                                      for e in exc.errors()]) from None
+    return method.model_copy(update={"supervised": supervised.model_copy(update={"hyperparameters": parsed})})
+
+
+JOB_METHODS = ("reinforcement", "supervised")
+
+
+def check_method(method: Method | None, settings: Settings, *,
+                 supported: tuple[str, ...] = JOB_METHODS) -> dict[str, Any]:
     """The stored form of a `method` block, after every synchronous check (also used by the
-    variance diagnostic, which takes the same block): tool and grader header values sealed."""
+    variance diagnostic, which takes the same block but only `supported=("reinforcement",)`)."""
     if method is None:
         raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
                        code="missing_required_parameter", param="method")
-    if method.type != "reinforcement":
-        raise APIError(400, f"method.type '{method.type}' is not supported yet; this service trains with 'reinforcement'.",
-                       code="unsupported_method", param="method.type")
+    if method.type not in supported:
+        raise APIError(400, f"method.type '{method.type}' is not supported here; use "
+                            f"{' or '.join(repr(t) for t in supported)}.", code="unsupported_method", param="method.type")
+    if method.type == "supervised":
+        # Every default filled in: the worker reads this form as it is stored.
+        return {"type": "supervised", "supervised": (method.supervised or SupervisedMethod()).model_dump(mode="json")}
+    return _check_reinforcement(method, settings)
+
+
+def _check_reinforcement(method: Method, settings: Settings) -> dict[str, Any]:
+    """The stored reinforcement block: tools and graders checked, their header values sealed."""
     if method.reinforcement is None:
         raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
                        code="missing_required_parameter", param="method.reinforcement")

@@ -7,6 +7,7 @@ nest at most MAX_JSON_DEPTH (64) levels and hold no NUL character (docs/security
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, BinaryIO
@@ -152,6 +153,50 @@ def check_row(row: Any, declared_tools: set[str]) -> None:
         check_tools(row["tools"], declared_tools)
 
 
+def _check_weight(i: int, message: dict[str, Any]) -> None:
+    """OpenAI's per-message `weight`: 0 (shown, not trained on) or 1, on assistant messages only."""
+    if "weight" not in message:
+        return
+    if message["role"] != "assistant":
+        raise RowProblem("invalid_weight", f"messages[{i}].weight is allowed on assistant messages only")
+    weight = message["weight"]
+    if type(weight) is not int or weight not in (0, 1):  # not true/false, not 1.0: JSON's 0 or 1
+        raise RowProblem("invalid_weight", f"messages[{i}].weight must be 0 or 1; got {weight!r}")
+
+
+def check_supervised_row(row: Any) -> None:
+    """A supervised row, in OpenAI's chat format: a conversation whose assistant messages are the
+    answers to learn, at least one of them trained on (weight 1, or no weight)."""
+    if not isinstance(row, dict):
+        raise RowProblem("invalid_row", "each line must be a JSON object")
+    if "messages" not in row:
+        raise RowProblem("missing_messages", "the row has no 'messages'")
+    messages = row["messages"]
+    check_messages(messages, last_must_be_user=False)
+    for i, message in enumerate(messages):
+        _check_weight(i, message)
+    answers = [m for m in messages if m["role"] == "assistant"]
+    if not answers:
+        raise RowProblem("missing_assistant_message", "the row has no assistant message to train on")
+    if all(m.get("weight", 1) == 0 for m in answers):
+        raise RowProblem("no_trained_message", "every assistant message has weight 0: nothing to train on")
+    if "tools" in row:
+        check_tools(row["tools"], None)
+    if "parallel_tool_calls" in row and not isinstance(row["parallel_tool_calls"], bool):
+        raise RowProblem("invalid_row", "'parallel_tool_calls' must be true or false")
+
+
+RowRule = Callable[[Any], None]
+
+
+def row_rule(method_type: str, declared_tools: set[str]) -> RowRule:
+    """How a row of a job's files is checked: a reinforcement row is a prompt whose tools the job
+    declares; a supervised row is a whole conversation to imitate."""
+    if method_type == "supervised":
+        return check_supervised_row
+    return lambda row: check_row(row, declared_tools)
+
+
 def _json_problem(raw: bytes, row: Any) -> tuple[str, str] | None:
     """(code, message) for a row nested too deep or with a NUL in a string (which PostgreSQL's
     JSONB cannot hold: the row's rollouts could never be stored), else None."""
@@ -165,7 +210,8 @@ def _json_problem(raw: bytes, row: Any) -> tuple[str, str] | None:
     return "invalid_value", f"{where or 'the row'} {NUL_MESSAGE}"
 
 
-def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:
+def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str], method_type: str = "reinforcement") -> FileReport:
+    check = row_rule(method_type, declared_tools)
     report = FileReport()
     line_no = 0
     while True:
@@ -195,7 +241,7 @@ def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str]) -> FileReport:
             report.add(line_no, *problem)
             continue
         try:
-            check_row(row, declared_tools)
+            check(row)
         except RowProblem as problem:
             report.add(line_no, problem.code, problem.message)
             continue

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.core.worker_schemas import FinishError, Leased
-from app.jobs.schemas import Method, ReinforcementMethod, Split
+from app.jobs.schemas import Method, Split
 
 
 class ClaimedMethod(Method):
-    """A claimed run's method: always reinforcement (the only type a job is created with)."""
+    """A claimed run's method, as stored: `reinforcement` (jobs and diagnostics) or `supervised`
+    (jobs), with every default filled in; the block its type names is always there."""
 
-    reinforcement: ReinforcementMethod
+    type: Literal["reinforcement", "supervised"]
+
+    @model_validator(mode="after")
+    def _has_its_block(self) -> ClaimedMethod:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type} method without its '{self.type}' block")
+        return self
 
 
 class ClaimedJob(BaseModel):
