@@ -118,6 +118,28 @@ class JobRun:
         return self.client.file_rows(file_id) if file_id else []
 
     async def _train(self) -> Any:
+        if self.job.method.type == "supervised":
+            return await self._train_supervised()
+        return await self._train_reinforcement()
+
+    async def _train_supervised(self) -> Any:
+        from workers.rl.models import load_model
+        from workers.sft.hyperparameters import resolve_supervised
+        from workers.sft.trainer import SupervisedTrainer
+
+        job, supervised = self.job, self.job.method.supervised
+        train_rows, valid_rows = self._rows(job.training_file), self._rows(job.validation_file)
+        config, resolved = resolve_supervised(supervised, n_train=len(train_rows), seed=job.seed)
+        hooks = ControlHooks(self, resolved)
+        await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows (supervised); "
+                                     f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
+        loaded = load_model(job.model, dtype=supervised.x_open_model.dtype)
+        trainer = SupervisedTrainer(loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
+                                    work_dir=self.work_dir, hooks=hooks,
+                                    resume_state=Path(job.resume_state) if job.resume_state else None)
+        return await trainer.run()
+
+    async def _train_reinforcement(self) -> Any:
         from app.graders.service import grader_context
         from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.models import load_model
@@ -274,7 +296,8 @@ class ControlHooks:
             raise RunInterrupted(str(exc)) from exc
 
     async def on_step(self, step: int, metrics: dict[str, Any], train_records: list[dict[str, Any]]) -> None:
-        await self._call(self.client.push_rollouts, step, "train", train_records)
+        if train_records:  # a supervised step has none
+            await self._call(self.client.push_rollouts, step, "train", train_records)
         await self._call(self.client.push_step, step, metrics)
 
     async def on_eval(self, step: int, valid_reward_mean: float, valid_records: list[dict[str, Any]]) -> None:

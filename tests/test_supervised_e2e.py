@@ -1,0 +1,71 @@
+"""A supervised job end to end on the real model: the openai SDK creates it, a real Celery worker
+trains SmolLM2-135M-Instruct (LoRA) on chat rows with tool calls, its validation loss falls, its
+metrics read as OpenAI's, and the fine-tuned model answers chat completions."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+
+from app.core.config import Settings
+from tests.conftest import agent_rft_inference, jsonl, live_server, wait_for
+from tests.test_training_e2e import celery_worker, training_settings  # noqa: F401 - the fixture
+
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+COMPANIES = ["ACME", "Globex", "Initech", "Umbrella", "Hooli", "Stark", "Wayne", "Wonka", "Tyrell", "Cyberdyne"]
+
+
+def browsing_row(company: str, year: int) -> dict:
+    """Search, read the result, answer: the shape of an agent's trace."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "search", "arguments": json.dumps({"query": f"{company} revenue {year}"})}}
+    revenue = f"${len(company) * 3 + year % 10}.{year % 7} million"
+    return {"tools": [SEARCH], "messages": [
+        {"role": "system", "content": "You answer questions about company reports. Search before you answer."},
+        {"role": "user", "content": f"What was {company}'s revenue in {year}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": f"{company} {year} annual report: revenue {revenue}."},
+        {"role": "assistant", "content": f"{company}'s revenue in {year} was {revenue}."},
+    ]}
+
+
+def upload(sdk: openai.OpenAI, rows: list[dict], name: str) -> str:
+    return sdk.files.create(file=(name, io.BytesIO(jsonl(rows))), purpose="fine-tune").id
+
+
+def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_settings: Settings, project):  # noqa: ANN001, F811
+    token = training_settings.worker_token.get_secret_value()
+    with agent_rft_inference(training_settings, token=token) as (inference, _, _):
+        training_settings.inference_url = inference
+        with live_server(training_settings) as base, \
+                openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+                celery_worker(training_settings, base) as (_, log):
+            train = upload(sdk, [browsing_row(c, 2020 + i % 4) for i, c in enumerate(COMPANIES[:8])], "train.jsonl")
+            valid = upload(sdk, [browsing_row(c, 2024) for c in COMPANIES[8:]], "valid.jsonl")
+            job = sdk.fine_tuning.jobs.create(
+                model="SmolLM2-135M-Instruct", training_file=train, validation_file=valid, seed=3, suffix="sft",
+                method={"type": "supervised", "supervised": {
+                    "hyperparameters": {"batch_size": 4, "n_epochs": 2},
+                    "x_open_model": {"lora_rank": 8, "learning_rate": 1e-3, "eval_interval": 1}}})
+            wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed"), timeout=600,
+                     interval=1.0)
+            done = sdk.fine_tuning.jobs.retrieve(job.id)
+            assert done.status == "succeeded", (done.error, log.read_text()[-3000:])
+            events = list(sdk.fine_tuning.jobs.list_events(job.id, limit=100))
+            checkpoints = list(sdk.fine_tuning.jobs.checkpoints.list(job.id))
+            answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=40,
+                                                 temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2])
+    assert done.method.type == "supervised" and done.hyperparameters.batch_size == 4
+    assert done.hyperparameters.learning_rate_multiplier == 1.0  # "auto", resolved
+    metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 < m["train_mean_token_accuracy"] <= 1 for m in metrics)
+    assert metrics[-1]["valid_loss"] < metrics[0]["valid_loss"], [m["valid_loss"] for m in metrics]
+    assert metrics[-1]["full_valid_loss"] == metrics[-1]["valid_loss"]  # 2 validation rows: the subset is all
+    assert {c.step_number for c in checkpoints} >= {4}
+    # What SFT taught is a call the parser reads: the model searches before it answers.
+    assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
+    assert answer.choices[0].message.tool_calls[0].function.name == "search"
