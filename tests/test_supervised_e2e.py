@@ -1,6 +1,8 @@
 """A supervised job end to end on the real model: the openai SDK creates it, a real Celery worker
 trains SmolLM2-135M-Instruct (LoRA) on chat rows with tool calls, its validation loss falls, its
-metrics read as OpenAI's, and the fine-tuned model answers chat completions."""
+metrics read as OpenAI's, and the fine-tuned model answers chat completions; then a reinforcement
+job starts from that fine-tuned model (its adapter trained on), where the base model would never
+call a tool."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import io
 import json
 
 import openai
+import pytest
 
 from app.core.config import Settings
-from tests.conftest import agent_rft_inference, jsonl, live_server, wait_for
+from tests.conftest import agent_rft_inference, jsonl, live_server, make_project, wait_for
+from tests.rl.tool_server import tool_server
 from tests.test_training_e2e import celery_worker, training_settings  # noqa: F401 - the fixture
 
 SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",
@@ -58,6 +62,11 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
             checkpoints = list(sdk.fine_tuning.jobs.checkpoints.list(job.id))
             answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=40,
                                                  temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2])
+            rl_job, rl_events, rollouts = reinforce_from(sdk, done.fine_tuned_model, log)
+            other = make_project(training_settings)
+            with openai.OpenAI(base_url=f"{base}/v1", api_key=other["key"], max_retries=0) as outsider:
+                with pytest.raises(openai.NotFoundError):  # another project's fine-tuned model: as unknown
+                    outsider.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=train)
     assert done.method.type == "supervised" and done.hyperparameters.batch_size == 4
     assert done.hyperparameters.learning_rate_multiplier == 1.0  # "auto", resolved
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
@@ -69,3 +78,33 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
     # What SFT taught is a call the parser reads: the model searches before it answers.
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
     assert answer.choices[0].message.tool_calls[0].function.name == "search"
+    # Reinforcement from the supervised model: it samples with the adapter SFT trained (it calls the
+    # tool, which the base model never does) and names the base model under it.
+    assert rl_job.status == "succeeded", rl_job.error
+    assert any(e.message.startswith(f"Starting from {done.fine_tuned_model} (SmolLM2-135M-Instruct): its LoRA "
+                                    "adapter, trained on") for e in rl_events)
+    assert rl_job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:")
+    assert sum(r["tool_calls"] for r in rollouts) > 0, rollouts
+
+
+def reinforce_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001
+    """One reinforcement step from `model` on the same questions, with a search tool that answers."""
+    rows = [{"messages": browsing_row(c, 2023)["messages"][:2], "tools": [SEARCH], "reference_answer": c}
+            for c in COMPANIES[:2]]
+    with tool_server() as (tool_url, _):
+        job = sdk.fine_tuning.jobs.create(model=model, training_file=upload(sdk, rows, "rl.jsonl"), seed=5, method={
+            "type": "reinforcement", "reinforcement": {
+                "grader": {"type": "string_check", "name": "named", "input": "{{sample.output_text}}",
+                           "reference": "{{item.reference_answer}}", "operation": "like"},
+                "tools": [{"name": "search", "server_url": tool_url}],
+                "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 1,
+                                    "eval_samples": 1},
+                "max_episode_steps": 2, "x_open_model": {"max_tokens_per_turn": 40, "max_tokens_per_rollout": 80,
+                                                         "temperature": 0.7, "sampler": "engine"}}})
+        wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed"), timeout=600,
+                 interval=1.0)
+    done = sdk.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded", (done.error, log.read_text()[-3000:])
+    events = list(sdk.fine_tuning.jobs.list_events(job.id, limit=100))
+    rollouts = sdk.get(f"/fine_tuning/jobs/{job.id}/rollouts", cast_to=object)["data"]
+    return done, events, rollouts

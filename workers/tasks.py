@@ -123,7 +123,6 @@ class JobRun:
         return await self._train_reinforcement()
 
     async def _train_supervised(self) -> Any:
-        from workers.rl.models import load_model
         from workers.sft.hyperparameters import resolve_supervised
         from workers.sft.trainer import SupervisedTrainer
 
@@ -133,16 +132,34 @@ class JobRun:
         hooks = ControlHooks(self, resolved)
         await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows (supervised); "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
-        loaded = load_model(job.model, dtype=supervised.x_open_model.dtype)
+        loaded = await self._load_start(supervised.x_open_model.dtype, config.training_mode, hooks)
         trainer = SupervisedTrainer(loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
                                     work_dir=self.work_dir, hooks=hooks,
                                     resume_state=Path(job.resume_state) if job.resume_state else None)
         return await trainer.run()
 
+    async def _load_start(self, dtype: str, training_mode: str, hooks: ControlHooks) -> Any:
+        """The weights training starts from: the base model, or the fine-tuned model the job names."""
+        from workers.rl.models import continue_from_adapter, load_model
+
+        start = self.job.start_from
+        if start is None:
+            return load_model(self.job.model, dtype=dtype)
+        if start.training_mode == "full":
+            loaded = load_model(start.checkpoint_path, dtype=dtype)
+            how = "its weights, trained in full"
+        else:
+            loaded = continue_from_adapter(load_model(start.base_model, dtype=dtype), start.checkpoint_path,
+                                           merge=training_mode == "full")
+            how = ("its LoRA adapter merged into the weights, trained in full" if training_mode == "full" else
+                   "its LoRA adapter, trained on (its rank and targets, not x_open_model's)")
+        await hooks.on_event("info", f"Starting from {self.job.model} ({start.base_model}): {how}.",
+                             {"start_from": start.model_dump()})
+        return loaded
+
     async def _train_reinforcement(self) -> Any:
         from app.graders.service import grader_context
         from workers.rl.hyperparameters import resolve_hyperparameters
-        from workers.rl.models import load_model
         from workers.rl.tools_client import ToolClient
         from workers.rl.trainer import Trainer
         from workers.rl.training_run import TrainingOutcome
@@ -153,7 +170,7 @@ class JobRun:
         loaded = None
         dtype = reinforcement.x_open_model.dtype
         if reinforcement.x_open_model.diagnostic:
-            loaded = load_model(job.model, dtype=dtype)  # loaded once: the diagnostic, then training
+            loaded = await self._load_start(dtype, reinforcement.x_open_model.training_mode, hooks)  # once
             diagnosed = await JobDiagnostic(self, hooks).run(loaded, train_rows)
             if isinstance(diagnosed, TrainingOutcome):
                 return diagnosed
@@ -164,7 +181,7 @@ class JobRun:
         hooks.resolved = resolved
         await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows; "
                                      f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
-        loaded = loaded or load_model(job.model, dtype=dtype)
+        loaded = loaded or await self._load_start(dtype, config.training_mode, hooks)
         sampler = await self._sampler(config, hooks)
         if isinstance(sampler, TrainingOutcome):
             return sampler
@@ -194,7 +211,8 @@ class JobRun:
             if not urls:
                 raise VLLMUnavailable("the job asks for sampler 'vllm' but this worker has no vLLM servers "
                                       "(AGENT_RFT_VLLM_URLS)")
-            sampler = VLLMSampler.from_settings(self.settings, model=self.job.model, config=config.engine,
+            base = self.job.start_from.base_model if self.job.start_from else self.job.model  # what vLLM serves
+            sampler = VLLMSampler.from_settings(self.settings, model=base, config=config.engine,
                                                 adapter_prefix=self.job_id)
             live = await sampler.check()
         except VLLMUnavailable as exc:

@@ -21,6 +21,7 @@ from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
 from app.graders.service import check_grader_urls, check_python_isolation
 from app.idempotency import service as idempotency
+from app.jobs.lineage import fine_tuned_source, is_fine_tuned, training_mode_of
 from app.jobs.models import Checkpoint, Job, JobEvent, JobRollout
 from app.jobs.schemas import (
     CheckpointObject,
@@ -37,6 +38,7 @@ from app.jobs.schemas import (
 from app.jobs import tool_headers
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
 from app.jobs.validation import parameters_schema_problem
+from app.serving.service import model_not_found
 
 ENDPOINT = "POST /v1/fine_tuning/jobs"
 
@@ -157,6 +159,23 @@ def _check_reinforcement(method: Method, settings: Settings) -> dict[str, Any]:
     return tool_headers.seal_headers(stored, secret_box(settings))
 
 
+def _check_start(session: Session, project_id: str, model: str, method: dict[str, Any]) -> None:
+    """A job may start from one of the project's fine-tuned models or checkpoints (`ft:…`): 404 for
+    any other, as for a model that does not exist. A LoRA parent is continued (its adapter trains
+    on) or merged into the weights for full training; a full parent can only be trained in full (a
+    new adapter on its weights could not be served on the base model)."""
+    if not is_fine_tuned(model):
+        return
+    found = fine_tuned_source(session, project_id, model)
+    if found is None:
+        raise model_not_found(model)
+    options = method_block(method).get("x_open_model") or {}
+    if training_mode_of(found[1]) == "full" and options.get("training_mode", "lora") == "lora":
+        raise bad_request(f"'{model}' is a full fine-tune: continue it with training_mode 'full' (a LoRA adapter "
+                          "on its weights could not be served on the base model).",
+                          param=f"method.{method['type']}.x_open_model.training_mode")
+
+
 def check_file(session: Session, project_id: str, file_id: str, param: str) -> None:
     """A file of this project, with purpose fine-tune, stored: else 400 naming `param`."""
     row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
@@ -179,6 +198,7 @@ def create_job(
     if replay is not None:
         return get_job(session=session, project_id=project_id, job_id=replay), False
     method = _check_method(body, settings)
+    _check_start(session, project_id, body.model, method)
     check_file(session, project_id, body.training_file, "training_file")
     if body.validation_file:
         check_file(session, project_id, body.validation_file, "validation_file")

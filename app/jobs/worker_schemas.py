@@ -23,6 +23,15 @@ class ClaimedMethod(Method):
         return self
 
 
+class StartFrom(BaseModel):
+    """The fine-tuned model a job starts from (its `model` is an `ft:` name)."""
+
+    checkpoint_path: str
+    training_mode: Literal["lora", "full"] = Field(description="lora: an adapter on base_model; full: a model "
+                                                                "directory")
+    base_model: str
+
+
 class ClaimedJob(BaseModel):
     id: str
     project_id: str
@@ -36,6 +45,7 @@ class ClaimedJob(BaseModel):
     resume_state: str | None
     completed_steps: int
     resolved_hyperparameters: dict[str, Any] | None
+    start_from: StartFrom | None = None
 
 
 class ClaimResponse(BaseModel):

@@ -22,6 +22,7 @@ from app.files import service as files
 from app.files.storage import Storage
 from app.jobs import service as jobs
 from app.jobs import step_metrics
+from app.jobs.lineage import base_model_of, start_point
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.jobs.tool_headers import open_headers
@@ -38,6 +39,7 @@ from app.jobs.worker_schemas import (
     RolloutRecord,
     RolloutResult,
     StatePush,
+    StartFrom,
     StateResult,
     StepPush,
     StepResult,
@@ -72,8 +74,13 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
         training_file=job.training_file, validation_file=job.validation_file,
         method=open_headers(job.method, secret_box(settings)), seed=job.seed,
         suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
-        resolved_hyperparameters=job.resolved_hyperparameters,
+        resolved_hyperparameters=job.resolved_hyperparameters, start_from=_start_from(session, job),
     ))
+
+
+def _start_from(session: Session, job: Job) -> StartFrom | None:
+    start = start_point(session, job)
+    return StartFrom(**vars(start)) if start is not None else None
 
 
 def drop_unsaved_steps(session: Session, job: Job) -> None:
@@ -119,10 +126,20 @@ def flatten_metrics(data: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 def _step_message(data: dict[str, Any]) -> str:
+    """A metrics event's message: a supervised step's losses as OpenAI words them ("Step 3/10:
+    training loss=0.412, validation loss=0.500"), else a reinforcement step's train reward."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
     total = data.get("total_steps")
     message = f"Step {data['step']}/{total}" if total is not None else f"Step {data['step']}"
+    losses = [f"{label}={data[key]:.3f}" for key, label in (
+        ("train_loss", "training loss"), ("valid_loss", "validation loss"),
+        ("full_valid_loss", "full validation loss")) if number(data.get(key))]
+    if losses:
+        return f"{message}: {', '.join(losses)}"
     reward = (data.get("scores") or {}).get("train_reward_mean")
-    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+    if number(reward):
         message += f": train reward {reward:.3f}"
     return message
 
@@ -188,8 +205,11 @@ def push_rollouts(*, session: Session, job_id: str, body: RolloutPush) -> Rollou
     return RolloutResult(stored=len(new))
 
 
-def fine_tuned_model_name(job: Job, project_name: str) -> str:
-    return f"ft:{job.model}:{project_name}:{job.suffix or ''}:{job.id}"
+def fine_tuned_model_name(session: Session, job: Job) -> str:
+    """OpenAI's `ft:<base model>:<org>:<suffix>:<job id>`; a job started from a fine-tuned model
+    names the base model under it, as OpenAI does."""
+    base = base_model_of(session, job.project_id, job.model)
+    return f"ft:{base}:{_project_name(session, job)}:{job.suffix or ''}:{job.id}"
 
 
 def _validation_reward(checkpoint: Checkpoint) -> float:
@@ -218,7 +238,7 @@ def push_checkpoint(*, session: Session, job_id: str, step: int, body: Checkpoin
     existing = session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step_number == step))
     if existing is not None:
         return CheckpointResult(id=existing, created=False, delete_paths=[])
-    name = f"{fine_tuned_model_name(job, _project_name(session, job))}:ckpt-step-{step}"
+    name = f"{fine_tuned_model_name(session, job)}:ckpt-step-{step}"
     metrics = {"step": step, **body.metrics}
     checkpoint = jobs.record_checkpoint(session=session, job=job, step_number=step, model_ref=name, metrics=metrics)
     checkpoint.path = body.path
@@ -254,7 +274,7 @@ def _succeed(session: Session, job: Job, storage: Storage) -> None:
         add_event(session, job, f"Worker {job.lease_owner} finished training while the job was {job.status}; "
                                 f"its status stays '{job.status}'.")
         return
-    job.fine_tuned_model = fine_tuned_model_name(job, _project_name(session, job))
+    job.fine_tuned_model = fine_tuned_model_name(session, job)
     job.result_files = [_results_file(session, job, storage)]
     transition(session, job, S.SUCCEEDED, message="The job has successfully completed")
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from app.core.config import Settings
 from app.core.db import unix, utcnow
 from app.core.errors import APIError
+from app.jobs.lineage import base_model_of, checkpoint_by_name, fine_tuned_source, job_by_model
 from app.jobs.models import Checkpoint, Job
 from app.serving.schemas import ModelDeleted, ModelList, ModelObject
 
@@ -58,38 +59,17 @@ def _project_job_ids(project_id: str):  # noqa: ANN202 - a SQL subquery
     return select(Job.id).where(Job.project_id == project_id)
 
 
-def _checkpoint_by_name(session: Session, project_id: str, name: str) -> tuple[Checkpoint, Job] | None:
-    row = session.execute(
-        select(Checkpoint, Job).join(Job, Job.id == Checkpoint.job_id)
-        .where(Job.project_id == project_id, Checkpoint.fine_tuned_model_checkpoint == name)
-    ).first()
-    return (row[0], row[1]) if row else None
-
-
-def _job_by_model(session: Session, project_id: str, name: str) -> Job | None:
-    return session.scalar(select(Job).where(Job.project_id == project_id, Job.fine_tuned_model == name,
-                                            Job.model_deleted_at.is_(None)))
-
-
-def _latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
-    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                          .order_by(Checkpoint.step_number.desc()).limit(1))
-
-
 def resolve(*, session: Session, settings: Settings, project_id: str, name: str) -> ResolvedModel:
     """The model a request names, or 404 `model_not_found`."""
     base = _base_names(settings).get(name.casefold())
     if base is not None:
         return ResolvedModel(name=base, base=base)
-    found = _checkpoint_by_name(session, project_id, name)
-    if found is not None:
-        checkpoint, job = found
-        return ResolvedModel(name=name, base=_served_base(settings, job.model, name), checkpoint_path=checkpoint.path)
-    job = _job_by_model(session, project_id, name)
-    checkpoint = _latest_checkpoint(session, job.id) if job is not None else None
-    if job is None or checkpoint is None:
+    found = fine_tuned_source(session, project_id, name)
+    if found is None:
         raise model_not_found(name)
-    return ResolvedModel(name=name, base=_served_base(settings, job.model, name), checkpoint_path=checkpoint.path)
+    checkpoint, job = found
+    return ResolvedModel(name=name, base=_served_base(settings, base_model_of(session, project_id, job.model), name),
+                         checkpoint_path=checkpoint.path)
 
 
 def _model_object(name: str, created: int, owner: str) -> ModelObject:
@@ -115,10 +95,10 @@ def get_model(*, session: Session, settings: Settings, project_id: str, name: st
     base = _base_names(settings).get(name.casefold())
     if base is not None:
         return _model_object(base, DEPLOYMENT_CREATED, SYSTEM_OWNER)
-    found = _checkpoint_by_name(session, project_id, name)
+    found = checkpoint_by_name(session, project_id, name)
     if found is not None:
         return _model_object(name, unix(found[0].created_at), project_id)
-    job = _job_by_model(session, project_id, name)
+    job = job_by_model(session, project_id, name)
     if job is None:
         raise model_not_found(name)
     return _model_object(name, unix(job.finished_at or job.created_at), project_id)
@@ -130,11 +110,11 @@ def delete_model(*, session: Session, settings: Settings, project_id: str, name:
     if name.casefold() in _base_names(settings):
         raise APIError(403, f"The model '{name}' is a base model of this deployment and cannot be deleted.",
                        code="model_not_deletable", param="model", type="invalid_request_error")
-    if _checkpoint_by_name(session, project_id, name) is not None:
+    if checkpoint_by_name(session, project_id, name) is not None:
         raise APIError(400, f"'{name}' is a checkpoint; checkpoints are kept with their job. Delete the "
                             "fine-tuned model (the name without ':ckpt-step-N') instead.",
                        code="model_not_deletable", param="model")
-    job = _job_by_model(session, project_id, name)
+    job = job_by_model(session, project_id, name)
     if job is None:
         raise model_not_found(name)
     job.model_deleted_at = utcnow()

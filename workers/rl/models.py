@@ -732,6 +732,9 @@ def training_mode(
     """The module to train: "lora" wraps the model in LoRA adapters (only they train); "full"
     makes every parameter trainable and returns the model itself."""
     if mode == "lora":
+        module = _module_of(loaded)
+        if hasattr(module, "peft_config"):  # a fine-tuned model's adapter, continued (continue_from_adapter)
+            return module
         return apply_lora(loaded, rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules)
     if mode == "full":
         model = _module_of(loaded)
@@ -745,6 +748,17 @@ def count_parameters(model: Any) -> tuple[int, int]:
     """(trainable, total) parameter counts, each tied tensor counted once."""
     unique = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() for p in unique if p.requires_grad), sum(p.numel() for p in unique)
+
+
+def continue_from_adapter(loaded: LoadedModel, adapter_dir: str | os.PathLike[str], *, merge: bool) -> LoadedModel:
+    """Start from a LoRA checkpoint: its adapter loaded, trainable, on `loaded` (the base it was
+    trained on), for a LoRA job to continue it, so that its checkpoints stay adapters of that base;
+    or merged into the weights (`merge`) for a full fine-tune of them."""
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(loaded.model, str(adapter_dir), is_trainable=not merge)
+    loaded.model = peft.merge_and_unload() if merge else peft
+    return loaded
 
 
 def _module_of(loaded: LoadedModel | Any) -> Any:

@@ -65,9 +65,12 @@ class Trainer(TrainingRun):
         self.job_tools = job_tools
         self.sampler = sampler  # None: the in-process engine on the model being trained
         self.failovers_reported = 0
+        self.continues_adapter = hasattr(loaded.model, "peft_config")  # started from a fine-tuned LoRA model
 
-    async def _resumed(self) -> None:
-        await self._publish_policy(self.progress.step)  # the sampler starts from the restored policy
+    async def _before_steps(self) -> None:
+        # The sampler starts from the restored policy, or the fine-tuned adapter the job continues.
+        if self.progress.step > 0 or self.continues_adapter:
+            await self._publish_policy(self.progress.step)
 
     async def _announce_start(self) -> None:
         c = self.config

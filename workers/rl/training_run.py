@@ -90,8 +90,8 @@ class TrainingRun:
     async def _train_step(self, step: int) -> None:
         raise NotImplementedError
 
-    async def _resumed(self) -> None:
-        """Called once after a saved state was restored, before the next step."""
+    async def _before_steps(self) -> None:
+        """Called once after setup (and a restored state), before the first step this run trains."""
 
     # -- the run and its outcomes ----------------------------------------------------------------
 
@@ -118,8 +118,7 @@ class TrainingRun:
     async def _run(self) -> TrainingOutcome:
         await asyncio.to_thread(self._setup)
         await self._announce_start()
-        if self.progress.step > 0:
-            await self._resumed()
+        await self._before_steps()
         while self.progress.step < self.total_steps:
             decision = await self.hooks.control()
             if decision == "cancel":

@@ -1,0 +1,88 @@
+"""Which weights a fine-tuned model name stands for, and what a job starts from.
+
+`ft:…` names are a job's model (its latest checkpoint) or one checkpoint (`…:ckpt-step-N`), within
+one project. A job may start from such a name: its weights then come from that checkpoint, and
+its base model is the first non-`ft:` model up the chain (what serving loads a LoRA adapter on,
+and what the new model's name starts with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.jobs.models import Checkpoint, Job
+
+FINE_TUNED_PREFIX = "ft:"
+MAX_CHAIN = 64  # jobs started from jobs started from …: far more than any real chain
+
+
+@dataclass
+class StartPoint:
+    """A fine-tuned model a job starts from: its checkpoint and how it was trained."""
+
+    checkpoint_path: str
+    training_mode: str  # "lora": an adapter on `base_model`; "full": a whole model directory
+    base_model: str
+
+
+def is_fine_tuned(name: str) -> bool:
+    return name.startswith(FINE_TUNED_PREFIX)
+
+
+def fine_tuned_source(session: Session, project_id: str, name: str) -> tuple[Checkpoint, Job] | None:
+    """The checkpoint an `ft:` name stands for in this project (a checkpoint's own name, or a job's
+    latest checkpoint) and its job; None when the project has no such model."""
+    found = checkpoint_by_name(session, project_id, name)
+    if found is not None:
+        return found
+    job = job_by_model(session, project_id, name)
+    checkpoint = latest_checkpoint(session, job.id) if job is not None else None
+    return (checkpoint, job) if checkpoint is not None else None
+
+
+def checkpoint_by_name(session: Session, project_id: str, name: str) -> tuple[Checkpoint, Job] | None:
+    row = session.execute(
+        select(Checkpoint, Job).join(Job, Job.id == Checkpoint.job_id)
+        .where(Job.project_id == project_id, Checkpoint.fine_tuned_model_checkpoint == name)
+    ).first()
+    return (row[0], row[1]) if row else None
+
+
+def job_by_model(session: Session, project_id: str, name: str) -> Job | None:
+    """The project's job whose fine-tuned model is `name` (not deleted)."""
+    return session.scalar(select(Job).where(Job.project_id == project_id, Job.fine_tuned_model == name,
+                                            Job.model_deleted_at.is_(None)))
+
+
+def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                          .order_by(Checkpoint.step_number.desc()).limit(1))
+
+
+def base_model_of(session: Session, project_id: str, model: str) -> str:
+    """The base model under `model`: itself, or the base of the fine-tuned model it names."""
+    for _ in range(MAX_CHAIN):
+        found = fine_tuned_source(session, project_id, model) if is_fine_tuned(model) else None
+        if found is None:
+            return model
+        model = found[1].model
+    return model
+
+
+def start_point(session: Session, job: Job) -> StartPoint | None:
+    """What `job` starts from when its model is a fine-tuned one; None for a base model (or a
+    fine-tuned model deleted since the job was created: the worker then fails to load it by name)."""
+    found = fine_tuned_source(session, job.project_id, job.model) if is_fine_tuned(job.model) else None
+    if found is None:
+        return None
+    checkpoint, parent = found
+    return StartPoint(checkpoint_path=checkpoint.path, training_mode=training_mode_of(parent),
+                      base_model=base_model_of(session, job.project_id, parent.model))
+
+
+def training_mode_of(job: Job) -> str:
+    from app.jobs.service import method_block  # the service imports this module
+
+    return (method_block(job.method).get("x_open_model") or {}).get("training_mode", "lora")
