@@ -314,6 +314,23 @@ def vllm_process(log: Path) -> Iterator[tuple[str, Any]]:
         proc.wait(timeout=30)
 
 
+@contextmanager
+def forwarder(url: str) -> Iterator[tuple[str, Any]]:
+    """A second address of the server at `url` (tests/tcp_forwarder.py, its own process group);
+    yields (its URL, its process): kill it and that address dies mid-request."""
+    port, target = free_port(), int(url.rsplit(":", 1)[1])
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "tcp_forwarder.py"), str(port), str(target)],
+                            start_new_session=True)
+    address = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_ok(f"{address}/v1/models") or proc.poll() is not None, timeout=30, interval=0.1)
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One vLLM server for the whole run; yields its base URL."""

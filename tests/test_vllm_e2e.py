@@ -14,7 +14,7 @@ import pytest
 
 from app.core.config import Settings
 from tests.conftest import (
-    VLLM_MODEL, agent_rft_inference, free_port, job_body, jsonl, live_server, make_project, question_rows, vllm_process,
+    VLLM_MODEL, agent_rft_inference, forwarder, free_port, job_body, jsonl, live_server, make_project, question_rows,
     wait_for,
 )
 from tests.rl.tool_server import tool_server
@@ -123,11 +123,11 @@ def test_vllm_sampling_of_a_full_fine_tune_is_refused_at_creation(api):  # noqa:
     assert api.post("/v1/fine_tuning/jobs", json=body).status_code == 200
 
 
-def test_a_vllm_server_killed_mid_job_is_failed_over(training_settings: Settings, project, vllm_server,  # noqa: ANN001, F811
-                                                     tmp_path):
+def test_a_vllm_server_killed_mid_job_is_failed_over(training_settings: Settings, project, vllm_server):  # noqa: ANN001, F811
     """Two servers; the second is killed after step 1: step 2's requests go to the first, an event
-    says which server failed, and the job succeeds."""
-    with vllm_process(tmp_path / "second-vllm.log") as (second, process):
+    says which server failed, and the job succeeds. The second server is a second address of the
+    real one (a forwarding process, killed like a crashed server), which spares starting another."""
+    with forwarder(vllm_server) as (second, process):
         training_settings.vllm_urls = [vllm_server, second]
         with live_server(training_settings) as base, tool_server() as (tool_url, _), \
                 openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \

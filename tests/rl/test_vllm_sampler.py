@@ -50,7 +50,7 @@ def test_rollouts_on_vllm_are_token_in_token_out_with_the_sampled_distributions_
     sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config)
     assert asyncio.run(sampler.check()) == [vllm_server]
     with tool_server() as (url, recorder):
-        records, engine = rollouts(smollm2, sampler, url, 48, config)
+        records, engine = rollouts(smollm2, sampler, url, 24, config)
     callers = [r for r in records if r.tool_calls]
     assert callers, "no rollout called the tool"
     assert {e["body"]["trace_id"] for e in recorder.calls} == {r.trace_id for r in callers}
