@@ -61,6 +61,17 @@ def queued_job(api: Api, **overrides: Any) -> str:
     return job_id
 
 
+def queued_supervised_job(api: Api, **supervised: Any) -> str:
+    """A supervised job on chat rows, queued; `supervised` is its method.supervised."""
+    from tests.test_supervised_api import chat_rows  # that module imports this one
+
+    body = {"model": "SmolLM2-135M-Instruct", "training_file": api.upload_ok(chat_rows()),
+            "method": {"type": "supervised", "supervised": supervised}}
+    job_id = api.post("/v1/fine_tuning/jobs", json=body).json()["id"]
+    wait_for(lambda: api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "queued")
+    return job_id
+
+
 def events(api: Api, job_id: str) -> list[dict[str, Any]]:
     return api.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
 
@@ -78,6 +89,20 @@ def metrics_data(step: int, reward: float) -> dict[str, Any]:
             "usage": {"completion_tokens": 512}, "errors": {"tool_failures": 0}, "timing": {"step_s": 3.5},
             "tools": {"tool_calls_per_rollout": 1.5, "tool_calls_per_rollout_by_tool": {"search": 1.5}},
             "train": {"loss": 0.12, "frac_reward_zero_std": 0.25}}
+
+
+def supervised_metrics_data(step: int, total: int, *, eval_every: int) -> dict[str, Any]:
+    """A supervised step's metrics as the trainer builds them (workers/sft/trainer.py), the loss
+    falling as 1/step: validation at eval steps and the last, full validation at the last."""
+    from workers.sft.loss import TokenScores
+    from workers.sft.trainer import _step_metrics
+
+    def scores(loss: float) -> TokenScores:
+        return TokenScores(loss=loss, accuracy=1 - loss / 2, tokens=40, grad_norm=0.5)
+
+    evaluating = step % eval_every == 0 or step == total
+    return _step_metrics(step, total, scores(1.0 / step), scores(1.2 / step) if evaluating else None,
+                         scores(1.1 / step) if step == total else None, learning_rate=2e-4, step_s=0.25)
 
 
 def test_internal_api_refuses_missing_or_wrong_worker_token(client, api, project):
@@ -205,6 +230,22 @@ def test_step_metrics_are_stored_once(api, app, worker):
     assert series["train.frac_reward_zero_std"] == 0.25 and "step" not in series
     mismatch = worker.leased("PUT", f"/jobs/{job_id}/steps/2", metrics=metrics_data(3, 0.1))
     assert mismatch.status_code == 400 and mismatch.json()["error"]["param"] == "metrics.step"
+
+
+def test_a_supervised_steps_event_reads_like_openais(api, worker):
+    job_id = queued_supervised_job(api)
+    worker.claim(job_id)
+    for step in (1, 2, 3):
+        metrics = supervised_metrics_data(step, 3, eval_every=2)
+        pushed = worker.leased("PUT", f"/jobs/{job_id}/steps/{step}", metrics=metrics)
+        assert pushed.status_code == 200, pushed.text
+    metric_events = [e for e in events(api, job_id) if e["type"] == "metrics"][::-1]
+    assert [e["message"] for e in metric_events] == [
+        "Step 1/3: training loss=1.000",
+        "Step 2/3: training loss=0.500, validation loss=0.600",
+        "Step 3/3: training loss=0.333, validation loss=0.400, full validation loss=0.367",
+    ]
+    assert metric_events[2]["data"]["full_valid_mean_token_accuracy"] == pytest.approx(1 - 1.1 / 3 / 2)
 
 
 def test_worker_events_are_written_once_per_key(api, worker):

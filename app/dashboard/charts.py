@@ -1,5 +1,6 @@
 """The job page's charts: which per-step metrics (keys of job_metrics, i.e. the flattened keys of
-the trainer's metrics event, see workers/rl/step_report.py `step_metrics`) each chart draws.
+the trainer's metrics event, see workers/rl/step_report.py `step_metrics` and workers/sft/trainer.py
+`_step_metrics`) each chart draws. A job's page shows the charts of its method.
 
 A series is either one key or every key under a prefix (one trace per tool, per grader...);
 the page's script turns these specs into plotly traces, so adding a chart is adding a spec."""
@@ -28,6 +29,7 @@ class Chart:
     stacked: bool = False  # stacked areas, with a toggle to shares of the total
     percent: bool = False  # values are rates in [0, 1]
     help: str = ""
+    method: str = "reinforcement"  # the method.type whose jobs report these metrics
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -96,16 +98,43 @@ CHARTS: tuple[Chart, ...] = (
         Series("phase", prefix="timing.breakdown."),
     ), stacked=True, help="Sampling split into prefill, decode and the time the model waited (tool calls, "
                           "batching); the update into forward, backward and the optimizer."),
+    # Supervised jobs: OpenAI's metrics at the top level, then the trainer's `train` and `timing` blocks.
+    Chart("sft-loss", "Loss", "loss per trained token", (
+        Series("training", key="train_loss"),
+        Series("validation", key="valid_loss", markers=True),
+        Series("full validation", key="full_valid_loss", markers=True),
+    ), method="supervised", help="Cross-entropy on the tokens the job trains on: the step's batch, a fixed "
+                                 "subset of validation rows at eval steps, every validation row at the last step."),
+    Chart("sft-accuracy", "Mean token accuracy", "share of trained tokens", (
+        Series("training", key="train_mean_token_accuracy"),
+        Series("validation", key="valid_mean_token_accuracy", markers=True),
+        Series("full validation", key="full_valid_mean_token_accuracy", markers=True),
+    ), percent=True, method="supervised", help="Share of trained tokens that are the model's most likely next token."),
+    Chart("sft-tokens", "Tokens learned per step", "tokens", (
+        Series("learned tokens", key="train.learned_tokens"),
+    ), method="supervised"),
+    Chart("sft-grad-norm", "Gradient norm", "norm before clipping", (
+        Series("grad norm", key="train.grad_norm"),
+    ), method="supervised"),
+    Chart("sft-step-time", "Time per step", "seconds", (
+        Series("step", key="timing.step_s"),
+    ), method="supervised"),
 )
 
 
-def chart_specs() -> list[dict[str, Any]]:
-    return [asdict(chart) for chart in CHARTS]
+def _charts_of(method: str | None) -> list[Chart]:
+    return [chart for chart in CHARTS if method is None or chart.method == method]
 
 
-def charted_keys() -> tuple[list[str], list[str], list[str]]:
-    """The exact keys, key prefixes and excluded keys that the charts draw, for a SQL filter."""
-    exact = [s.key for c in CHARTS for s in c.series if s.key]
-    prefixes = [s.prefix for c in CHARTS for s in c.series if s.prefix]
-    excluded = [k for c in CHARTS for s in c.series for k in s.exclude]
+def chart_specs(method: str) -> list[dict[str, Any]]:
+    return [asdict(chart) for chart in _charts_of(method)]
+
+
+def charted_keys(method: str | None = None) -> tuple[list[str], list[str], list[str]]:
+    """The exact keys, key prefixes and excluded keys that the charts of `method` (None: every
+    chart) draw, for a SQL filter."""
+    charts = _charts_of(method)
+    exact = [s.key for c in charts for s in c.series if s.key]
+    prefixes = [s.prefix for c in charts for s in c.series if s.prefix]
+    excluded = [k for c in charts for s in c.series for k in s.exclude]
     return exact, prefixes, excluded

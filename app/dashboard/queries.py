@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,6 +27,27 @@ TRAIN_REWARD, VALID_REWARD = "scores.train_reward_mean", "scores.valid_reward_me
 # The rollout engine's finish reasons (workers/rl/rollout.py FINISH_REASONS; the API imports no
 # worker code, tests/dashboard checks the two lists agree).
 FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A number a job's summary shows at its latest step and each checkpoint shows at its own."""
+    field: str  # in the job's row, the poll's JSON and a checkpoint's row
+    label: str
+    key: str  # its metric key (job_metrics)
+
+
+# A method's headline numbers: what it optimises, on the training batch and on validation.
+HEADLINES: dict[str, tuple[Headline, Headline]] = {
+    "reinforcement": (Headline("train_reward", "Train reward", TRAIN_REWARD),
+                      Headline("valid_reward", "Valid reward", VALID_REWARD)),
+    "supervised": (Headline("train_loss", "Train loss", "train_loss"),
+                   Headline("valid_loss", "Valid loss", "valid_loss")),
+}
+
+
+def headlines(method: str) -> list[dict[str, str]]:
+    return [asdict(h) for h in HEADLINES[method]]
 
 
 def _aware(ts: datetime | None) -> datetime | None:
@@ -110,20 +131,27 @@ def _grader_summary(grader: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def _page_row(session: Session, job: Job) -> dict[str, Any]:
+    """The job's row as the list shows it, plus its method and the latest values of its headlines."""
+    method = job.method["type"]
+    keys = tuple(dict.fromkeys((TRAIN_REWARD, VALID_REWARD, *(h.key for h in HEADLINES[method]))))
+    latest = _latest_values(session, [job.id], keys)
+    row = _job_row(job, _progress(session, [job.id]).get(job.id), latest)
+    return {**row, "method": method, **{h.field: latest.get((job.id, h.key)) for h in HEADLINES[method]}}
+
+
 def job_header(*, session: Session, project_id: str, job_id: str) -> dict[str, Any]:
     job = jobs.get_row(session=session, project_id=project_id, job_id=job_id)
     public = jobs.to_schema(job)  # tool headers masked, "auto" hyperparameters resolved once known
-    reinforcement = (public.method or {}).get("reinforcement") or {}
-    progress = _progress(session, [job.id]).get(job.id)
-    rewards = _latest_values(session, [job.id], (TRAIN_REWARD, VALID_REWARD))
+    block = jobs.method_block(public.method or {})  # method.reinforcement or method.supervised
     return {
-        **_job_row(job, progress, rewards),
+        **_page_row(session, job),
         "seed": job.seed, "metadata": job.user_metadata or {}, "error": job.error,
         "training_file": job.training_file, "validation_file": job.validation_file,
-        "trained_tokens": job.trained_tokens, "hyperparameters": reinforcement.get("hyperparameters") or {},
-        "resolved": bool(job.resolved_hyperparameters), "max_episode_steps": reinforcement.get("max_episode_steps"),
-        "x_open_model": reinforcement.get("x_open_model") or {}, "tools": reinforcement.get("tools") or [],
-        "grader": _grader_summary(reinforcement.get("grader") or {}), "actions": allowed_actions(job.status),
+        "trained_tokens": job.trained_tokens, "hyperparameters": block.get("hyperparameters") or {},
+        "resolved": bool(job.resolved_hyperparameters), "max_episode_steps": block.get("max_episode_steps"),
+        "x_open_model": block.get("x_open_model") or {}, "tools": block.get("tools") or [],
+        "grader": _grader_summary(block.get("grader") or {}), "actions": allowed_actions(job.status),
         "diagnostic_id": getattr(job, "diagnostic_id", None),
     }
 
@@ -131,24 +159,23 @@ def job_header(*, session: Session, project_id: str, job_id: str) -> dict[str, A
 def job_status(*, session: Session, project_id: str, job_id: str) -> dict[str, Any]:
     """What a poll needs besides the series: the header's moving parts."""
     job = jobs.get_row(session=session, project_id=project_id, job_id=job_id)
-    progress = _progress(session, [job.id]).get(job.id)
-    rewards = _latest_values(session, [job.id], (TRAIN_REWARD, VALID_REWARD))
-    return {**_job_row(job, progress, rewards), "actions": allowed_actions(job.status), "error": job.error,
+    return {**_page_row(session, job), "actions": allowed_actions(job.status), "error": job.error,
             "trained_tokens": job.trained_tokens}
 
 
-def _charted(key_column: Any) -> Any:
-    exact, prefixes, excluded = charted_keys()
+def _charted(key_column: Any, method: str) -> Any:
+    exact, prefixes, excluded = charted_keys(method)
     return and_(or_(key_column.in_(exact), *(key_column.startswith(p, autoescape=True) for p in prefixes)),
                 key_column.not_in(excluded))
 
 
-def chart_series(*, session: Session, job_id: str, after_step: int) -> dict[str, dict[str, list[float]]]:
-    """The charted series, `{metric key: {"x": steps, "y": values}}`, for the steps after
-    `after_step` (a poll asks only for what is new). PostgreSQL builds the JSON itself, one
-    aggregate per key, and psycopg decodes it with json.loads, so a 500-step job costs no Python
-    loop over its points."""
-    where = (JobMetric.job_id == job_id, JobMetric.step > after_step, _charted(JobMetric.key))
+def chart_series(*, session: Session, job_id: str, method: str,
+                 after_step: int) -> dict[str, dict[str, list[float]]]:
+    """The series the charts of the job's method draw, `{metric key: {"x": steps, "y": values}}`,
+    for the steps after `after_step` (a poll asks only for what is new). PostgreSQL builds the
+    JSON itself, one aggregate per key, and psycopg decodes it with json.loads, so a 500-step job
+    costs no Python loop over its points."""
+    where = (JobMetric.job_id == job_id, JobMetric.step > after_step, _charted(JobMetric.key, method))
     if session.get_bind().dialect.name == "postgresql":
         per_key = (select(JobMetric.key.label("key"),
                           func.array_agg(aggregate_order_by(JobMetric.step, JobMetric.step)).label("x"),
@@ -173,6 +200,7 @@ def recent_events(*, session: Session, job_id: str, limit: int = EVENTS_SHOWN) -
 
 
 def checkpoints(*, session: Session, job_id: str) -> list[dict[str, Any]]:
+    """Newest first, with every method's headline fields (a checkpoint's metrics are its step's)."""
     stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step_number.desc())
     result = []
     for c in session.scalars(stmt):
@@ -182,6 +210,7 @@ def checkpoints(*, session: Session, job_id: str) -> list[dict[str, Any]]:
             "id": c.id, "step": c.step_number, "model": c.fine_tuned_model_checkpoint, "created_at": unix(c.created_at),
             "train_reward": scores.get("train_reward_mean", metrics.get("train_reward_mean")),
             "valid_reward": scores.get("valid_reward_mean", metrics.get("valid_reward_mean")),
+            "train_loss": metrics.get("train_loss"), "valid_loss": metrics.get("valid_loss"),
         })
     return result
 

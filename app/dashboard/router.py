@@ -265,7 +265,7 @@ def jobs_page(request: Request, user: PageUser, session: SessionDep, status: str
 def _job_data(session: Any, user: DashboardUser, job_id: str, after_step: int) -> dict[str, Any]:
     job = queries.job_status(session=session, project_id=user.project_id, job_id=job_id)  # first: an unknown job 404s
     return {
-        "series": queries.chart_series(session=session, job_id=job_id, after_step=after_step),
+        "series": queries.chart_series(session=session, job_id=job_id, method=job["method"], after_step=after_step),
         "job": job,
         "checkpoints": queries.checkpoints(session=session, job_id=job_id),
         "events": queries.recent_events(session=session, job_id=job_id),
@@ -276,7 +276,8 @@ def _job_data(session: Any, user: DashboardUser, job_id: str, after_step: int) -
 def job_page(request: Request, job_id: str, user: PageUser, session: SessionDep, notice: str | None = None) -> HTMLResponse:
     header = queries.job_header(session=session, project_id=user.project_id, job_id=job_id)
     config = {"dataUrl": f"/dashboard/jobs/{job_id}/data", "pollMs": int(request.app.state.settings.dashboard_poll_s * 1000),
-              "active": header["active"], "charts": chart_specs(), "rolloutsUrl": f"/dashboard/jobs/{job_id}/rollouts"}
+              "active": header["active"], "charts": chart_specs(header["method"]),
+              "headlines": queries.headlines(header["method"]), "rolloutsUrl": f"/dashboard/jobs/{job_id}/rollouts"}
     return _page(request, "job.html", {
         "job": header, "config": config, "notice": NOTICES.get(notice or ""),
         "checkpoints": queries.checkpoints(session=session, job_id=job_id),

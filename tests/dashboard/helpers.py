@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from tests.test_internal import Worker
+from tests.test_internal import Worker, supervised_metrics_data
 
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 TOOLS = ("search", "list", "cat")
@@ -89,3 +89,16 @@ def report_steps(worker: Worker, job_id: str, steps: range, total: int, *, valid
         metrics = step_metrics(step, total, valid=step % valid_every == 0)
         response = worker.leased("PUT", f"/jobs/{job_id}/steps/{step}", metrics=metrics)
         assert response.status_code == 200, response.text
+
+
+def report_supervised_steps(worker: Worker, job_id: str, steps: range, total: int, *, eval_every: int) -> None:
+    """Steps as the supervised trainer pushes them: metrics only, and a checkpoint at each eval step
+    carrying that step's metrics."""
+    for step in steps:
+        metrics = supervised_metrics_data(step, total, eval_every=eval_every)
+        response = worker.leased("PUT", f"/jobs/{job_id}/steps/{step}", metrics=metrics)
+        assert response.status_code == 200, response.text
+        if "valid_loss" in metrics:
+            response = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/{step}", path=f"/ckpt/step-{step}",
+                                     metrics=metrics)
+            assert response.status_code == 200, response.text

@@ -4,6 +4,7 @@ browser and transcripts. (tests/dashboard/test_browser.py drives a real Chromium
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -14,10 +15,11 @@ from sqlalchemy import update
 from app.auth.models import ApiKey
 from app.core.db import make_engine, make_session_factory, utcnow
 from app.dashboard.auth import COOKIE
+from app.dashboard.charts import chart_specs, charted_keys
 from app.dashboard.queries import FINISH_REASONS
 from tests.conftest import Api, make_project, wait_for
-from tests.dashboard.helpers import csrf_of, login, report_steps
-from tests.test_internal import Worker, queued_job
+from tests.dashboard.helpers import csrf_of, login, report_steps, report_supervised_steps
+from tests.test_internal import Worker, queued_job, queued_supervised_job, supervised_metrics_data
 
 APP_DIR = Path(__file__).resolve().parents[2] / "app" / "dashboard"
 
@@ -242,12 +244,85 @@ def test_chart_specs_draw_the_trainers_metric_keys():
     tools = flatten_metrics({"tools": summarize([RolloutRecord(trace_id="t", sample_index=0, messages=[],
                                                                tool_calls=[call])])})
     trainer = (APP_DIR.parents[1] / "workers" / "rl" / "step_report.py").read_text()
-    exact, prefixes, _ = charted_keys()
+    exact, prefixes, _ = charted_keys("reinforcement")
     for key in exact + prefixes:
         if key.startswith("tools."):
             assert any(k == key or (key.endswith(".") and k.startswith(key)) for k in tools), key
         else:
             assert f'"{key.rstrip(".").split(".")[-1]}"' in trainer, key
+
+
+def test_supervised_charts_draw_the_supervised_trainers_metric_keys():
+    """Every key a supervised chart draws is one the supervised trainer reports (its last step
+    has them all), and a supervised job's page shows no reinforcement chart."""
+    from app.jobs.worker_service import flatten_metrics
+
+    reported = flatten_metrics(supervised_metrics_data(4, 4, eval_every=2))
+    exact, prefixes, _ = charted_keys("supervised")
+    assert exact and not prefixes and set(exact) <= set(reported)
+    assert not {c["id"] for c in chart_specs("supervised")} & {c["id"] for c in chart_specs("reinforcement")}
+
+
+def config_of(html: str) -> dict:
+    return json.loads(re.search(r'id="dashboard-config">(.*?)</script>', html).group(1))
+
+
+def test_a_supervised_jobs_page_shows_its_hyperparameters_and_loss_curves(client, api, project, worker):
+    job_id = queued_supervised_job(api, hyperparameters={"n_epochs": 2},
+                                   x_open_model={"lora_rank": 8, "max_seq_tokens": 1024})
+    assert worker.claim(job_id).status_code == 200
+    report_supervised_steps(worker, job_id, range(1, 5), total=4, eval_every=2)
+    resolved = {"batch_size": 3, "n_epochs": 2, "learning_rate_multiplier": 1.0}
+    assert worker.leased("POST", f"/jobs/{job_id}/state", completed_steps=4, resume_state="/ckpt/s4",
+                         resolved_hyperparameters=resolved).status_code == 200
+    login(client, project["key"])
+    page = client.get(f"/dashboard/jobs/{job_id}").text
+
+    for name, value in resolved.items():  # the worker's values, not "auto"
+        assert f'<th scope="row">{name}</th><td>{value}</td>' in page
+    assert '<th scope="row">x_open_model.lora_rank</th><td><code>8</code></td>' in page
+    assert '<th scope="row">x_open_model.max_seq_tokens</th><td><code>1024</code></td>' in page
+    assert '<th scope="row">x_open_model.training_mode</th><td><code>lora</code></td>' in page
+    assert "<dt>Train loss (latest)</dt><dd data-field=\"train_loss\">0.250</dd>" in page
+    assert "<dt>Valid loss (latest)</dt><dd data-field=\"valid_loss\">0.300</dd>" in page
+    # What only a reinforcement job has is not on the page.
+    for absent in ("Train reward", "max_episode_steps", 'id="tools-title"', 'id="grader-title"', "Browse rollouts",
+                   'id="tool-mix-share"'):
+        assert absent not in page, absent
+    config = config_of(page)
+    assert [c["id"] for c in config["charts"]] == ["sft-loss", "sft-accuracy", "sft-tokens", "sft-grad-norm",
+                                                   "sft-step-time"]
+    assert [h["field"] for h in config["headlines"]] == ["train_loss", "valid_loss"]
+    checkpoints = page.split('id="checkpoints-table"')[1].split("</table>")[0]
+    assert "Train loss</th>" in checkpoints and "the 3 latest are kept" in page
+    assert "<td>4</td>" in checkpoints and '<td class="num">0.300</td>' in checkpoints  # step 4's valid loss
+
+    data = client.get(f"/dashboard/jobs/{job_id}/data").json()
+    series = data["series"]
+    assert series["train_loss"]["x"] == [1, 2, 3, 4]
+    assert series["train_loss"]["y"] == pytest.approx([1.0, 0.5, 1 / 3, 0.25])
+    assert series["valid_loss"] == {"x": [2, 4], "y": pytest.approx([0.6, 0.3])}
+    assert series["full_valid_loss"] == {"x": [4], "y": pytest.approx([1.1 / 4])}
+    assert series["train_mean_token_accuracy"]["y"] == pytest.approx([0.5, 0.75, 1 - 1 / 6, 0.875])
+    assert series["valid_mean_token_accuracy"]["x"] == [2, 4]
+    assert set(series) == set(charted_keys("supervised")[0])  # every chart has its data, nothing else is sent
+    assert data["job"]["method"] == "supervised" and data["job"]["train_loss"] == pytest.approx(0.25)
+    assert [(c["step"], c["valid_loss"]) for c in data["checkpoints"]] == [(4, pytest.approx(0.3)),
+                                                                          (2, pytest.approx(0.6))]
+    assert "Step 4/4: training loss=0.250, validation loss=0.300, full validation loss=0.275" in \
+        [e["message"] for e in data["events"]]
+
+    rollouts = client.get(f"/dashboard/jobs/{job_id}/rollouts")
+    assert rollouts.status_code == 200 and "Rollouts do not apply to a supervised job" in rollouts.text
+    assert "Apply filters" not in rollouts.text
+
+
+def test_a_reinforcement_jobs_page_keeps_its_reward_panels(client, project, running_job):
+    login(client, project["key"])
+    page = client.get(f"/dashboard/jobs/{running_job}").text
+    assert "<dt>Train reward (latest)</dt>" in page and "Browse rollouts" in page and 'id="tool-mix-share"' in page
+    assert "max_episode_steps" in page and 'id="grader-title"' in page and "validation reward and the latest" in page
+    assert {c["method"] for c in config_of(page)["charts"]} == {"reinforcement"}
 
 
 def test_finish_reasons_match_the_rollout_engine():

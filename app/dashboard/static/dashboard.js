@@ -141,8 +141,7 @@
       node.className = `status status-${job.status}`;
     });
     setText("progress", job.step === null ? "—" : job.total_steps ? `${job.step} / ${job.total_steps}` : `${job.step}`);
-    setText("train_reward", fmt(job.train_reward));
-    setText("valid_reward", fmt(job.valid_reward));
+    for (const headline of config.headlines) setText(headline.field, fmt(job[headline.field]));
     setText("finished_at", utc(job.finished_at));
     setText("duration", duration(job.duration_s));
     setText("trained_tokens", job.trained_tokens ? String(job.trained_tokens) : "—");
@@ -189,7 +188,7 @@
     if (!checkpoints.length) return;
     body.replaceChildren(...checkpoints.map((c) => {
       const tr = document.createElement("tr");
-      const cells = [String(c.step), c.model, fmt(c.train_reward), fmt(c.valid_reward), utc(c.created_at)];
+      const cells = [String(c.step), c.model, ...config.headlines.map((h) => fmt(c[h.field])), utc(c.created_at)];
       cells.forEach((text, i) => {
         const td = document.createElement("td");
         if (i === 1) { const code = document.createElement("code"); code.textContent = text; td.append(code); }
