@@ -334,6 +334,23 @@ def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
     assert messages(api, job_id).count("Checkpoint created at step 5") == 1
 
 
+@pytest.mark.parametrize("metrics_of", [
+    lambda score: {"scores": {"valid_reward_mean": score}},  # a reinforcement trainer's step metrics
+    lambda score: {"valid_loss": 1 - score, "train_loss": 1.0},  # a supervised step's: lower loss is better
+], ids=["reward", "loss"])
+def test_checkpoints_kept_are_the_best_by_validation_as_trainers_report_it(api, worker, metrics_of):
+    job_id = queued_job(api)
+    worker.claim(job_id)
+    deleted: list[str] = []
+    for step, score in enumerate([0.1, 0.5, 0.3, 0.9, 0.2], start=1):
+        answer = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/{step}", path=f"/ckpt/{job_id}/step-{step}",
+                               metrics=metrics_of(score))
+        deleted += answer.json()["delete_paths"]
+    assert deleted == [f"/ckpt/{job_id}/step-1"]  # the worst; the latest (step 5) is kept too
+    listed = api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert sorted(c["step_number"] for c in listed) == [2, 3, 4, 5]
+
+
 def test_finish_succeeded_names_the_model_and_a_retry_changes_nothing(api, worker, project):
     job_id = queued_job(api)
     worker.claim(job_id)

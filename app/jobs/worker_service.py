@@ -212,20 +212,23 @@ def fine_tuned_model_name(session: Session, job: Job) -> str:
     return f"ft:{base}:{_project_name(session, job)}:{job.suffix or ''}:{job.id}"
 
 
-def _validation_reward(checkpoint: Checkpoint) -> float:
-    value = (checkpoint.metrics or {}).get("valid_reward_mean")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
+def _validation_score(checkpoint: Checkpoint) -> float:
+    """Higher is better: the validation reward (reinforcement), or minus the validation loss
+    (supervised); -inf for a checkpoint without either."""
+    flat = flatten_metrics(checkpoint.metrics or {})  # a trainer's step metrics nest the scores
+    for key, sign in (("valid_reward_mean", 1.0), ("scores.valid_reward_mean", 1.0), ("valid_loss", -1.0)):
+        if key in flat:
+            return sign * flat[key]
     return -math.inf
 
 
 def prune_checkpoints(session: Session, job_id: str) -> list[str]:
-    """Keep the 3 best checkpoints by validation reward plus the latest; delete the other rows
-    and return their paths, for the worker to delete the files."""
+    """Keep the 3 best checkpoints by validation reward (supervised: validation loss) plus the
+    latest; delete the other rows and return their paths, for the worker to delete the files."""
     rows = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
     if not rows:
         return []
-    best = sorted(rows, key=lambda c: (_validation_reward(c), c.step_number), reverse=True)[:KEPT_BEST_CHECKPOINTS]
+    best = sorted(rows, key=lambda c: (_validation_score(c), c.step_number), reverse=True)[:KEPT_BEST_CHECKPOINTS]
     kept = {c.seq for c in best} | {max(rows, key=lambda c: c.step_number).seq}
     dropped = sorted((c for c in rows if c.seq not in kept), key=lambda c: c.step_number)
     for checkpoint in dropped:
