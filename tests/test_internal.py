@@ -313,15 +313,22 @@ def test_nul_characters_and_nan_from_a_worker_are_stored_not_refused(api, worker
     assert shown["message"] == "tool said \ufffd" and shown["data"] == {"raw": "\ufffd"}
 
 
+def push_checkpoints(worker, job_id: str, metrics_of) -> list[str]:  # noqa: ANN001
+    """Checkpoints at steps 1-5 scoring 0.1, 0.5, 0.3, 0.9, 0.2; the paths the control plane dropped."""
+    deleted: list[str] = []
+    for step, score in enumerate([0.1, 0.5, 0.3, 0.9, 0.2], start=1):
+        answer = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/{step}", path=f"/ckpt/{job_id}/step-{step}",
+                               metrics=metrics_of(score))
+        assert answer.status_code == 200 and answer.json()["created"] is True and answer.json()["id"].startswith("ftckpt_")
+        deleted += answer.json()["delete_paths"]
+    return deleted
+
+
 def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
     job_id = queued_job(api)
     worker.claim(job_id)
-    deleted: list[str] = []
-    for step, reward in enumerate([0.1, 0.5, 0.3, 0.9, 0.2], start=1):
-        answer = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/{step}", path=f"/ckpt/{job_id}/step-{step}",
-                               metrics={"valid_reward_mean": reward, "train_reward_mean": reward / 2})
-        assert answer.status_code == 200 and answer.json()["created"] is True and answer.json()["id"].startswith("ftckpt_")
-        deleted += answer.json()["delete_paths"]
+    deleted = push_checkpoints(worker, job_id, lambda reward: {"valid_reward_mean": reward,
+                                                               "train_reward_mean": reward / 2})
     assert deleted == [f"/ckpt/{job_id}/step-1"]
     repeat = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/5", path=f"/ckpt/{job_id}/step-5", metrics={})
     assert repeat.json()["created"] is False and repeat.json()["delete_paths"] == []
@@ -341,12 +348,7 @@ def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
 def test_checkpoints_kept_are_the_best_by_validation_as_trainers_report_it(api, worker, metrics_of):
     job_id = queued_job(api)
     worker.claim(job_id)
-    deleted: list[str] = []
-    for step, score in enumerate([0.1, 0.5, 0.3, 0.9, 0.2], start=1):
-        answer = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/{step}", path=f"/ckpt/{job_id}/step-{step}",
-                               metrics=metrics_of(score))
-        deleted += answer.json()["delete_paths"]
-    assert deleted == [f"/ckpt/{job_id}/step-1"]  # the worst; the latest (step 5) is kept too
+    assert push_checkpoints(worker, job_id, metrics_of) == [f"/ckpt/{job_id}/step-1"]  # the worst; step 5 is latest
     listed = api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
     assert sorted(c["step_number"] for c in listed) == [2, 3, 4, 5]
 
