@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 from statistics import mean
@@ -25,14 +26,15 @@ ROWS = ("accuracy", "tool_calls_per_rollout", "search_calls_per_rollout", "list_
         "within_budget")
 
 
-def browsing_settings() -> dict[str, Any]:
+def browsing_settings(max_tokens_per_turn: int, max_tokens_per_rollout: int) -> dict[str, Any]:
     from examples.financial_reports.demo_config import grader_spec
     from examples.financial_reports.traces import BROWSING_PROMPT
 
     settings = demo_settings()
     settings["system_prompt"] = BROWSING_PROMPT
     settings["grader"] = {**grader_spec("numeric_match"), "name": "correct"}
-    settings["engine"].update(max_episode_steps=10, max_tokens_per_turn=64, max_tokens_per_rollout=384)
+    settings["engine"].update(max_episode_steps=10, max_tokens_per_turn=max_tokens_per_turn,
+                              max_tokens_per_rollout=max_tokens_per_rollout)
     return settings
 
 
@@ -66,7 +68,8 @@ def with_budget(results: list[dict[str, Any]]) -> dict[str, float]:
 
 
 async def one_seed(settings: dict[str, Any], port: int, train_rows: list[dict], held_out: list[dict], seed: int,
-                   work_dir: Path, per_row: int, epochs: int, learning_rate: float) -> dict[str, Any]:
+                   work_dir: Path, per_row: int, epochs: int, learning_rate: float,
+                   cat_limit: int) -> dict[str, Any]:
     from examples.financial_reports.traces import browsing_traces
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
@@ -75,7 +78,7 @@ async def one_seed(settings: dict[str, Any], port: int, train_rows: list[dict], 
 
     k = settings["eval"]["rollouts_per_question"]
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
-        traces = await browsing_traces(train_rows, client, seed=seed, per_row=per_row)
+        traces = await browsing_traces(train_rows, client, seed=seed, per_row=per_row, cat_limit=cat_limit)
         loaded = load_model(settings["model"], dtype=settings["dtype"])
         before = await rollouts(loaded, client, settings, held_out, k, seed=1000 + seed)
         print(f"seed {seed}: base {with_budget(before)}", flush=True)
@@ -94,6 +97,8 @@ async def one_seed(settings: dict[str, Any], port: int, train_rows: list[dict], 
     return {"seed": seed, "traces": len(traces), "trace_calls_mean": mean(calls), "sft_seconds": sft_seconds,
             "sft_loss_curve": [m["train_loss"] for m in hooks.metrics], "base": with_budget(before),
             "starting_agent": with_budget(after),
+            "finish_reasons": {"base": dict(Counter(r["finish"] for r in before)),
+                               "starting_agent": dict(Counter(r["finish"] for r in after))},
             "call_counts_differ": differing_call_counts(after)}
 
 
@@ -121,19 +126,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-row", type=int, default=2, help="traces per training question")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--cat-limit", type=int, default=1200, help="characters a trace's cat reads")
+    parser.add_argument("--max-tokens-per-turn", type=int, default=64)
+    parser.add_argument("--max-tokens-per-rollout", type=int, default=384)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = browsing_settings()
+    settings = browsing_settings(args.max_tokens_per_turn, args.max_tokens_per_rollout)
     runs = []
     with tempfile.TemporaryDirectory(prefix="starting-agent-") as tmp, ExitStack() as stack:
         corpus, train_rows, held_out = build_task(settings, Path(tmp) / "data")
         port = serve_tools(stack, corpus, Path(tmp) / "index")
         for seed in args.seeds:
             runs.append(asyncio.run(one_seed(settings, port, train_rows, held_out, seed, Path(tmp) / f"run-{seed}",
-                                             args.per_row, args.epochs, args.learning_rate)))
+                                             args.per_row, args.epochs, args.learning_rate, args.cat_limit)))
     out = {"runs": runs, "settings": {**settings, "per_row": args.per_row, "epochs": args.epochs,
-                                      "learning_rate": args.learning_rate}, "table": table(runs)}
+                                      "learning_rate": args.learning_rate, "cat_limit": args.cat_limit},
+           "table": table(runs)}
     print(out["table"])
     save("starting_agent", out)
 

@@ -26,8 +26,8 @@ CAT_LIMIT = 1200  # characters a trace's `cat` reads: the opening of a report, w
 LIST_TOP, LIST_COMPANY, READ_OTHER_YEAR_FIRST, READ_REPORT = 0.6, 0.7, 0.35, 0.8
 
 
-async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: int,
-                          per_row: int = 1) -> list[dict[str, Any]]:
+async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: int, per_row: int = 1,
+                          cat_limit: int = CAT_LIMIT) -> list[dict[str, Any]]:
     """`per_row` traces per question (rows of demo_task, system message included: company, year,
     document, answer, scale), their tool results fetched through `client` (a ToolClient on the
     tool server)."""
@@ -36,14 +36,15 @@ async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: 
         for copy in range(per_row):
             rng = random.Random(f"agent-rft/traces/{seed}/{index}/{copy}")
             messages: list[dict[str, Any]] = list(row["messages"])
-            for number, (name, arguments) in enumerate(browsing_plan(row, rng), start=1):
+            for number, (name, arguments) in enumerate(browsing_plan(row, rng, cat_limit), start=1):
                 await _call(client, messages, row, f"t{index}-{copy}", f"call_{number}", name, arguments)
             messages.append({"role": "assistant", "content": answer_text(row)})
             traces.append({"messages": messages, "tools": TOOL_SCHEMAS})
     return traces
 
 
-def browsing_plan(row: dict[str, Any], rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+def browsing_plan(row: dict[str, Any], rng: random.Random,
+                  cat_limit: int = CAT_LIMIT) -> list[tuple[str, dict[str, Any]]]:
     """The calls of one trace: optional lists, a search, optional reads, in that order."""
     company_dir, year = row["document"].split("/")[0], row["year"]
     item = row["messages"][-1]["content"].split("'s ", 1)[1].split(" in ")[0]
@@ -55,9 +56,9 @@ def browsing_plan(row: dict[str, Any], rng: random.Random) -> list[tuple[str, di
     plan.append(("search", {"query": f"{row['company']} {item} {year}"}))
     if rng.random() < READ_OTHER_YEAR_FIRST:
         other = str(int(year) - 1) if year.endswith("3") else str(int(year) + 1)
-        plan.append(("cat", {"path": row["document"].replace(f"/{year}/", f"/{other}/"), "limit": CAT_LIMIT}))
+        plan.append(("cat", {"path": row["document"].replace(f"/{year}/", f"/{other}/"), "limit": cat_limit}))
     if rng.random() < READ_REPORT or len(plan) == 1:
-        plan.append(("cat", {"path": row["document"], "limit": CAT_LIMIT}))
+        plan.append(("cat", {"path": row["document"], "limit": cat_limit}))
     return plan
 
 
