@@ -45,6 +45,7 @@ class Served:
     vllm: str
     checkpoint: Path  # a LoRA adapter under the server's checkpoint directory
     full: Path  # a full model directory there
+    wide: Path  # a LoRA adapter of a rank the servers cannot load
 
     def ask(self, request: dict, *, checkpoint: Path | None = None, name: str = "ft:test") -> httpx.Response:
         model = {"name": name, "base": VLLM_MODEL, "checkpoint_path": str(checkpoint) if checkpoint else None}
@@ -67,11 +68,20 @@ def on_vllm(vllm_server: str, smollm2, tmp_path_factory: pytest.TempPathFactory)
     checkpoint = adapter(smollm2, checkpoints / "ftjob-x" / "step-2", seed=11)
     full = checkpoints / "ftjob-full" / "step-1"
     shutil.copytree(smollm2.path, full)
+    wide = wide_adapter(checkpoints / "ftjob-wide" / "step-1")
     settings = Settings(_env_file=None, data_dir=root / "data", checkpoint_dir=checkpoints, inference_backend="vllm",
                         vllm_urls=[vllm_server], inference_models=[VLLM_MODEL])
     settings.data_dir.mkdir(parents=True)
     with agent_rft_inference(settings, token=TOKEN) as (url, _, _):
-        yield Served(url, vllm_server, checkpoint, full)
+        yield Served(url, vllm_server, checkpoint, full, wide)
+
+
+def wide_adapter(folder: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(VLLM_MODEL).model, LoraConfig(r=32, lora_alpha=64, target_modules=["q_proj"]))
+    model.save_pretrained(str(folder))
+    return folder
 
 
 def rollout_answer(vllm_url: str, smollm2, checkpoint: Path | None, *, tokens: int):  # noqa: ANN001, ANN201
@@ -159,6 +169,9 @@ def test_what_vllm_cannot_serve_is_a_clear_error(on_vllm: Served):
     assert "AGENT_RFT_INFERENCE_BACKEND=engine" in full.json()["error"]["message"]
     gone = on_vllm.ask(request, checkpoint=on_vllm.checkpoint.parent / "step-9")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "checkpoint_files_missing"
+    wide = on_vllm.ask(request, checkpoint=on_vllm.wide)  # rank 32: over the servers' --max-lora-rank 16
+    assert wide.status_code == 503 and wide.json()["error"]["code"] == "vllm_error"
+    assert "rank" in wide.json()["error"]["message"].lower()
     long = on_vllm.ask({"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 4})
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     assert "4096" in long.json()["error"]["message"]  # the fleet's window (--max-model-len), not the model's

@@ -11,7 +11,9 @@ derived from its path (`ckpt-<hash>`), and never unloaded: vLLM's own LRU cache 
 holds and reads an evicted adapter from disk again. A server that lost it (restarted) answers 404,
 and the adapter is loaded again once. Full fine-tunes are not served here (a vLLM server serves one
 set of base weights): 400 `model_not_supported`, pointing at the engine backend. An unreachable
-fleet is a 503 `vllm_unavailable`, never a hang (every request has a timeout).
+fleet is a 503 `vllm_unavailable`, never a hang (every request has a timeout); an answer of vLLM's
+that cannot be used (an adapter it refuses to load) a 503 `vllm_error` with its message (the API
+passes a 503 on as it is).
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ class VLLMBackend:
         except SamplerUnavailable as exc:
             send(("error", ModelUnavailable(503, "vllm_unavailable", f"No vLLM server can answer: {exc}")))
             return
-        except VLLMError as exc:
-            send(("error", ModelUnavailable(502, "vllm_error", f"The vLLM server failed this request: {exc}")))
+        except VLLMError as exc:  # e.g. an adapter over the servers' --max-lora-rank: a deployment problem
+            send(("error", ModelUnavailable(503, "vllm_error", f"The vLLM server failed this request: {exc}")))
             return
         send(("done", chat, [(row, finish_choice(chat, served, row.choice, output))
                              for row, output in zip(rows, outputs)]))

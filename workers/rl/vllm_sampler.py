@@ -208,7 +208,7 @@ class VLLMSampler:
             async with self._client() as http:
                 for server in self.servers:
                     await self._adapter_call(http, server, "load_lora_adapter",
-                                             {"lora_name": name, "lora_path": str(adapter_dir)})
+                                             {"lora_name": name, "lora_path": str(adapter_dir)}, errors_rest=False)
             self.adapters.add(name)
 
     def forget_adapter(self, name: str) -> None:
@@ -226,7 +226,10 @@ class VLLMSampler:
         self.served_model = self.base_model
 
     async def _adapter_call(self, http: httpx.AsyncClient, server: _Server, action: str, body: dict[str, Any],
-                            *, missing_ok: bool = False) -> None:
+                            *, missing_ok: bool = False, errors_rest: bool = True) -> None:
+        """One adapter action on one server. A server out of reach is rested; one that answers a
+        5xx is rested too (`errors_rest`: our own policy adapters are fine, so the server is not),
+        or, for an adapter a user asked for, the answer is its VLLMError: the adapter is the problem."""
         policy = async_retrying(attempts=3, base_s=0.5, max_s=4.0)
         try:
             response = await policy(http.post, f"{server.url}/v1/{action}", json=body)
@@ -237,7 +240,7 @@ class VLLMSampler:
             return
         if response.status_code == 400 and "already been loaded" in response.text:
             return  # loaded before (by another replica of ours, or before our restart)
-        if retryable_status(response.status_code):
+        if retryable_status(response.status_code) and errors_rest:
             self._rest(server, f"{action}: answered {response.status_code}")
         elif not response.is_success:
             raise VLLMError(f"{server.url}/v1/{action} answered {response.status_code}: {excerpt(response.text)}",
