@@ -99,7 +99,15 @@ async def one_seed(settings: dict[str, Any], port: int, train_rows: list[dict], 
             "starting_agent": with_budget(after),
             "finish_reasons": {"base": dict(Counter(r["finish"] for r in before)),
                                "starting_agent": dict(Counter(r["finish"] for r in after))},
-            "call_counts_differ": differing_call_counts(after)}
+            "call_counts_differ": differing_call_counts(after),
+            "samples": [transcript(r) for r in after[:8]]}
+
+
+def transcript(result: dict[str, Any]) -> dict[str, Any]:
+    """What one rollout did, for reading: the model's turns and the start of each tool's answer."""
+    turns = [f"{m['role']}: {str(m.get('content'))[:160]}" for m in result["messages"]
+             if m["role"] in ("assistant", "tool")]
+    return {"finish": result["finish"], "tools": result["tools"], "turns": turns}
 
 
 def differing_call_counts(results: list[dict[str, Any]]) -> float:
