@@ -18,6 +18,7 @@ from app.core.tracing import w3c_trace_id
 from app.dashboard.charts import charted_keys
 from app.jobs import service as jobs
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep
+from app.jobs.schemas import method_block
 from app.jobs.state import ACTIONS, ACTIVE, TRANSITIONS, JobStatus
 
 JOBS_PER_PAGE = 25
@@ -143,7 +144,7 @@ def _page_row(session: Session, job: Job) -> dict[str, Any]:
 def job_header(*, session: Session, project_id: str, job_id: str) -> dict[str, Any]:
     job = jobs.get_row(session=session, project_id=project_id, job_id=job_id)
     public = jobs.to_schema(job)  # tool headers masked, "auto" hyperparameters resolved once known
-    block = jobs.method_block(public.method or {})  # method.reinforcement or method.supervised
+    block = method_block(public.method or {})  # method.reinforcement or method.supervised
     return {
         **_page_row(session, job),
         "seed": job.seed, "metadata": job.user_metadata or {}, "error": job.error,

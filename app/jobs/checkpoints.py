@@ -17,6 +17,7 @@ from app.core.errors import APIError, not_found
 from app.jobs import service as jobs
 from app.jobs.archive import DirectoryArchive, open_directory
 from app.jobs.models import Checkpoint, Job
+from app.jobs.schemas import method_block
 
 README = "README.md"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -87,11 +88,11 @@ def _hyperparameters(job: Job) -> dict[str, Any]:
     """The values the worker trained with; before it reported them, the job's (maybe "auto")."""
     if job.resolved_hyperparameters:
         return job.resolved_hyperparameters
-    return jobs.method_block(job.method or {}).get("hyperparameters") or {}
+    return method_block(job.method or {}).get("hyperparameters") or {}
 
 
 def _open_model(job: Job) -> dict[str, Any]:
-    return jobs.method_block(job.method or {}).get("x_open_model") or {}
+    return method_block(job.method or {}).get("x_open_model") or {}
 
 
 def base_model(model: str) -> tuple[str, str]:

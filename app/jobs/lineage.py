@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.jobs.models import Checkpoint, Job
+from app.jobs.schemas import method_block
 
 FINE_TUNED_PREFIX = "ft:"
 MAX_CHAIN = 64  # jobs started from jobs started from …: far more than any real chain
@@ -83,6 +84,4 @@ def start_point(session: Session, job: Job) -> StartPoint | None:
 
 
 def training_mode_of(job: Job) -> str:
-    from app.jobs.service import method_block  # the service imports this module
-
     return (method_block(job.method).get("x_open_model") or {}).get("training_mode", "lora")

@@ -216,6 +216,11 @@ class Method(BaseModel):
     dpo: dict[str, Any] | None = None
 
 
+def method_block(method: dict[str, Any]) -> dict[str, Any]:
+    """The block of a stored method that its type names: `method.reinforcement` or `method.supervised`."""
+    return method.get(method.get("type") or "") or {}
+
+
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

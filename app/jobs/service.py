@@ -34,6 +34,7 @@ from app.jobs.schemas import (
     RolloutObject,
     SupervisedHyperparameters,
     SupervisedMethod,
+    method_block,
 )
 from app.jobs import tool_headers
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
@@ -46,11 +47,6 @@ ENDPOINT = "POST /v1/fine_tuning/jobs"
 def public_method(method: dict[str, Any]) -> dict[str, Any]:
     """The stored method as the API shows it: tool and grader header values masked (sealed or legacy plain)."""
     return tool_headers.public_headers(method)
-
-
-def method_block(method: dict[str, Any]) -> dict[str, Any]:
-    """The block of a stored method that its type names: `method.reinforcement` or `method.supervised`."""
-    return method.get(method.get("type") or "") or {}
 
 
 def _with_resolved_hyperparameters(method: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
