@@ -9,13 +9,14 @@ import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from workers.rl.rollout import RolloutSpec
 from workers.rl.toolcalls import ToolSchema
 from workers.rl.training_state import DataPosition
 
 ROW_KEYS = ("messages", "tools")  # every other key of a JSONL row is the item
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,6 +57,14 @@ def epoch_permutation(n_rows: int, seed: int, epoch: int) -> list[int]:
     order = list(range(n_rows))
     random.Random(f"agent-rft/{seed}/epoch/{epoch}").shuffle(order)  # str seeds hash the same in every process
     return order
+
+
+def fixed_subset(items: Sequence[T], size: int, key: str) -> list[T]:
+    """`size` of `items` (all of them when there are no more), in their order, drawn from `key`: the
+    same subset at every evaluation of a run, so its curve compares like with like."""
+    if len(items) <= size:
+        return list(items)
+    return [items[i] for i in sorted(random.Random(key).sample(range(len(items)), size))]
 
 
 def take_batch(position: DataPosition, n_rows: int, seed: int, size: int) -> tuple[list[int], DataPosition]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,15 @@ from typing import Any
 import torch
 
 from app.graders.core import GraderContext
-from workers.rl.data import Prompt, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
+from workers.rl.data import fixed_subset, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
 from workers.rl.grading import GradedRollout, grade_rollouts, load_grader, mean_or_none, sub_reward_means
 from workers.rl.hyperparameters import TrainingConfig, total_steps_for
-from workers.rl.models import LoadedModel, training_mode
+from workers.rl.models import LoadedModel
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import RolloutEngine
 from workers.rl.sampler import Sampler
 from workers.rl.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
 from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
-from workers.rl.training_state import TrainingProgress, load_training_state
 from workers.rl.update import (
     Collated,
     LossSettings,
@@ -98,25 +96,15 @@ class Trainer(TrainingRun):
         job_schemas = job_tool_schemas(self.job_tools)
         self.train_prompts = prompts_from_rows(self.train_rows, job_schemas, source="training")
         valid = prompts_from_rows(self.valid_rows, job_schemas, source="validation")
-        self.eval_prompts = self._pick_eval_prompts(valid or self.train_prompts)
-        torch.manual_seed(c.seed)  # LoRA's initial weights
-        random.seed(c.seed)
-        self.model = training_mode(self.loaded, c.training_mode, rank=c.lora_rank, alpha=c.lora_alpha)
-        self.model.eval()  # no dropout: the update must see the policy that sampled
-        self.reference = self._make_reference()
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, weight_decay=0.0)
+        self.eval_prompts = fixed_subset(valid or self.train_prompts, c.eval_samples, f"agent-rft/{c.seed}/eval")
+        self._build_trainable()
+        self.reference = self._make_reference()  # the initial policy: made before a saved state is restored
         tokenizer = self.loaded.tokenizer
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.engine = RolloutEngine(self.loaded.model, tokenizer, ChatFormatter(tokenizer), self.tool_client, c.engine,
                                     sampler=self.sampler)
         self.loss_settings = LossSettings(c.loss, c.clip_epsilon, c.kl_coef, c.engine.temperature,
                                           c.engine.max_tokens_per_rollout, importance_cap=c.importance_cap)
-        if self.resume_state is not None:
-            self.progress = load_training_state(self.resume_state, model=self.model, optimizer=self.optimizer,
-                                                fingerprint=self._fingerprint())
-        else:
-            self.progress = TrainingProgress(fingerprint=self._fingerprint())
+        self._restore_progress(self._fingerprint())
 
     def _make_reference(self) -> torch.nn.Module | None:
         """The frozen copy of the initial policy for the KL term, only for full training with
@@ -127,14 +115,6 @@ class Trainer(TrainingRun):
         for parameter in reference.parameters():
             parameter.requires_grad_(False)
         return reference
-
-    def _pick_eval_prompts(self, prompts: list[Prompt]) -> list[Prompt]:
-        """A fixed, seeded subset, the same at every eval so the curve compares like with like."""
-        if len(prompts) <= self.config.eval_samples:
-            return list(prompts)
-        rng = random.Random(f"agent-rft/{self.config.seed}/eval")
-        chosen = rng.sample(range(len(prompts)), self.config.eval_samples)
-        return [prompts[i] for i in sorted(chosen)]
 
     def _fingerprint(self) -> dict[str, Any]:
         c = self.config

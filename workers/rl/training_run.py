@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -16,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.rl.models import LoadedModel, save_model_dir
+from workers.rl.models import LoadedModel, save_model_dir, training_mode
 from workers.rl.sampler import SamplerUnavailable
-from workers.rl.training_state import TrainingProgress, save_training_state
+from workers.rl.training_state import TrainingProgress, load_training_state, save_training_state
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,28 @@ class TrainingRun:
 
     async def _train_step(self, step: int) -> None:
         raise NotImplementedError
+
+    def _build_trainable(self) -> None:
+        """The module to train (LoRA's initial weights drawn from the run's seed), its optimizer and
+        the pad id; `config` needs seed, training_mode, lora_rank, lora_alpha and learning_rate."""
+        c = self.config
+        torch.manual_seed(c.seed)
+        random.seed(c.seed)
+        self.model = training_mode(self.loaded, c.training_mode, rank=c.lora_rank, alpha=c.lora_alpha)
+        self.model.eval()  # no dropout: the update must see the policy that sampled
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, weight_decay=0.0)
+        tokenizer = self.loaded.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def _restore_progress(self, fingerprint: dict[str, Any]) -> None:
+        """On resume, the saved weights, optimizer, RNG and progress (refused when `fingerprint`, the
+        options a resumed run must share, differs); else a new run's progress."""
+        if self.resume_state is not None:
+            self.progress = load_training_state(self.resume_state, model=self.model, optimizer=self.optimizer,
+                                                fingerprint=fingerprint)
+        else:
+            self.progress = TrainingProgress(fingerprint=fingerprint)
 
     async def _before_steps(self) -> None:
         """Called once after setup (and a restored state), before the first step this run trains."""

@@ -12,19 +12,15 @@ cancel, checkpoints, resumable state) with a cross-entropy step. One step reads 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from workers.rl.data import take_batch
+from workers.rl.data import fixed_subset, take_batch
 from workers.rl.hyperparameters import total_steps_for
-from workers.rl.models import LoadedModel, training_mode
+from workers.rl.models import LoadedModel
 from workers.rl.prompting import ChatFormatter
 from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
-from workers.rl.training_state import TrainingProgress, load_training_state
 from workers.rl.update import TrainSequence
 from workers.sft.data import BadExample, examples_from_rows
 from workers.sft.hyperparameters import SupervisedConfig
@@ -51,31 +47,11 @@ class SupervisedTrainer(TrainingRun):
                                             source="validation")
         except BadExample as exc:
             raise StepFailure("invalid_training_file", f"{exc}") from exc
-        self.valid_subset = self._pick_valid_subset(self.valid.sequences)
-        torch.manual_seed(c.seed)  # LoRA's initial weights
-        random.seed(c.seed)
-        self.model = training_mode(self.loaded, c.training_mode, rank=c.lora_rank, alpha=c.lora_alpha)
-        self.model.eval()  # no dropout
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, weight_decay=0.0)
-        tokenizer = self.loaded.tokenizer
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        fingerprint = {"method": "supervised", "training_mode": c.training_mode, "lora_rank": c.lora_rank,
-                       "lora_alpha": c.lora_alpha, "seed": c.seed, "batch_size": c.batch_size,
-                       "n_train": len(self.train_rows), "total_steps": self.total_steps}
-        if self.resume_state is not None:
-            self.progress = load_training_state(self.resume_state, model=self.model, optimizer=self.optimizer,
-                                                fingerprint=fingerprint)
-        else:
-            self.progress = TrainingProgress(fingerprint=fingerprint)
-
-    def _pick_valid_subset(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
-        """A fixed, seeded subset, the same at every eval so the curve compares like with like."""
-        if len(sequences) <= self.config.valid_samples:
-            return list(sequences)
-        chosen = random.Random(f"agent-rft/{self.config.seed}/valid").sample(range(len(sequences)),
-                                                                              self.config.valid_samples)
-        return [sequences[i] for i in sorted(chosen)]
+        self.valid_subset = fixed_subset(self.valid.sequences, c.valid_samples, f"agent-rft/{c.seed}/valid")
+        self._build_trainable()
+        self._restore_progress({"method": "supervised", "training_mode": c.training_mode, "lora_rank": c.lora_rank,
+                                "lora_alpha": c.lora_alpha, "seed": c.seed, "batch_size": c.batch_size,
+                                "n_train": len(self.train_rows), "total_steps": self.total_steps})
 
     async def _announce_start(self) -> None:
         c = self.config
