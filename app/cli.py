@@ -498,12 +498,13 @@ def eval_command(
 @cli.command()
 def demo(
     model: Annotated[str | None, typer.Option(help="Model to train (default: examples/financial_reports/demo_config.py).")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="Training steps (default: demo_config).")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A tiny model and two steps: a smoke run in about a minute.")] = False,
+    steps: Annotated[int | None, typer.Option(min=1, help="Reinforcement steps (default: demo_config).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A tiny model and one step per job: a smoke run in minutes.")] = False,
     workdir: Annotated[Path, typer.Option(help="Work directory, wiped at start (only one the demo made).")] = Path(".agent-rft-demo"),
     seed: Annotated[int | None, typer.Option(help="Data and training seed.")] = None,
 ) -> None:
-    """Train an agent to use real tools, end to end, on the embedded default; prints a before/after table."""
+    """Agent RFT's lesson end to end, on the embedded default: a starting agent that over-browses (supervised),
+    then reinforcement fine-tuning that makes it go straight to the answer; prints a before/after table."""
     from examples.financial_reports.demo import run_demo
 
     sys.exit(run_demo(model=model, steps=steps, quick=quick, workdir=workdir, seed=seed))

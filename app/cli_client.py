@@ -164,9 +164,14 @@ def format_event(event: Any) -> str:
 
 
 def summarize_metrics(data: dict[str, Any]) -> str:
-    """A metrics event in one line: step, train and valid reward, tool calls per rollout."""
+    """A metrics event in one line: step; train and valid reward and tool calls per rollout (a
+    reinforcement step), or train and valid loss and token accuracy (a supervised step)."""
     total = data.get("total_steps")
     parts = [f"step {data.get('step')}" + (f"/{total}" if total is not None else "")]
+    for label, key, spec in (("train loss", "train_loss", ".3f"), ("token accuracy", "train_mean_token_accuracy", ".0%"),
+                             ("valid loss", "valid_loss", ".3f")):
+        if isinstance(data.get(key), (int, float)):
+            parts.append(f"{label} {format(data[key], spec)}")
     scores = data.get("scores") or {}
     for label, key in (("train reward", "train_reward_mean"), ("valid reward", "valid_reward_mean")):
         if isinstance(scores.get(key), (int, float)):

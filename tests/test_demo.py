@@ -1,7 +1,8 @@
 """`agent-rft demo --quick`, as a user runs it: a subprocess that starts the API, a worker, the
-example tool and grader servers, runs the variance diagnostic, evaluates a tiny model, trains it for
-two steps, evaluates the checkpoint, calls the trained model through /v1/chat/completions (its own
-inference server) and stops every process it started; and Ctrl-C in the middle
+inference server, the example tool and grader servers, writes browsing traces, trains a tiny
+starting agent with a supervised job and continues it with a reinforcement job from its `ft:`
+model, evaluates the base model, the starting agent and the trained agent, calls the trained
+model through /v1/chat/completions and stops every process it started; and Ctrl-C in the middle
 stops everything."""
 
 from __future__ import annotations
@@ -49,46 +50,50 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_quick_demo_evaluates_trains_and_compares(tmp_path):
+def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
     workdir = tmp_path / "demo"
     result = subprocess.run([*DEMO, "--workdir", str(workdir)], env=env_without_settings(), capture_output=True,
                             text=True, timeout=300, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    for line in ("before", "after", "correct answers", "searched for the company", "tool calls per rollout",
-                 "tokens per rollout", "seconds per rollout", "variance diagnostic", "mixed scores (signal)",
-                 "verdict", "/dashboard/jobs/", "client.chat.completions.create(", "agent-rft inference",
-                 "demo succeeded"):
+    for line in ("browsing traces", "supervised job", "reinforcement job", "correct answers", "tool calls per rollout",
+                 "tokens per rollout", "seconds per rollout", "answered within budget", "/dashboard/jobs/",
+                 "client.chat.completions.create(", "agent-rft inference", "demo succeeded"):
         assert line in result.stdout, output[-4000:]
+    table_header = next(line for line in result.stdout.splitlines() if line.startswith("held-out, per rollout"))
+    assert table_header.split()[-4:] == ["base", "starting", "after", "RFT"]
 
     report = json.loads((workdir / "demo-report.json").read_text())
     assert report["outcome"] == "succeeded" and report["failed_stage"] is None
-    assert report["job"]["status"] == "succeeded" and report["job"]["fine_tuned_model"].startswith("ft:tiny-smollm2")
-    for label in ("before", "after"):
-        assert report[label]["summary"]["rollouts"] == report["data"]["held_out_rows"]
-        assert 0 <= report[label]["accuracy"]["pass_rate"] <= 1
-        assert set(report[label]["accuracy"]["sub_rewards"]) == {"searched", "correct"}
-    # The variance diagnostic ran on the worker before training: 2 questions x 2 runs, all graded.
-    diagnostic = report["diagnostic"]
-    assert diagnostic["id"].startswith("diag-") and diagnostic["summary"]["samples"] == 2
-    assert diagnostic["summary"]["rollouts"] == 4 and diagnostic["verdict"]["message"]
+    # The starting agent is a supervised job on the traces; the reinforcement job starts from its ft: model.
+    assert report["traces"]["rows"] == report["data"]["train_questions"] and report["traces"]["calls_per_trace"] >= 1
+    starting, rft = report["starting_agent"], report["rft"]
+    assert starting["status"] == "succeeded" and starting["fine_tuned_model"].startswith("ft:tiny-smollm2")
+    assert rft["status"] == "succeeded" and rft["model"] == starting["fine_tuned_model"]
+    assert rft["fine_tuned_model"].startswith("ft:tiny-smollm2") and rft["fine_tuned_model"] != starting["fine_tuned_model"]
+    for stage in ("base", "starting_agent", "after_rft"):
+        evaluation = report["evaluations"][stage]
+        assert evaluation["summary"]["rollouts"] == report["data"]["held_out_rows"]
+        assert 0 <= evaluation["accuracy"]["pass_rate"] <= 1
     assert oct((workdir / "api-key").stat().st_mode & 0o777) == "0o600"
     assert (workdir / "api-key").read_text().startswith("sk-")
-    assert report["after"]["model"] == report["checkpoint"]
+    assert report["evaluations"]["after_rft"]["model"] == report["checkpoint"]
     assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
     # The trained model answered through /v1/chat/completions (API + the demo's inference server).
     serving = report["serving"]
-    assert serving["model"] == report["job"]["fine_tuned_model"] and serving["turns"]
+    assert serving["model"] == rft["fine_tuned_model"] and serving["turns"]
     assert serving["turns"][0]["usage"]["completion_tokens"] > 0
     assert "inference" in json.loads((workdir / "pids.json").read_text())
     assert report["wall_time_s"] < 300
     assert leftover_processes(workdir) == []
-    # Precision: bfloat16 where this CPU computes it natively, for the job and both evaluations.
+    # Precision: bfloat16 where this CPU computes it natively, for both jobs and every evaluation.
     assert report["dtype"] == ("bfloat16" if native_bf16_cpu() else "float32")
     assert f"in {report['dtype']}" in result.stdout.splitlines()[0]
     with sqlite3.connect(workdir / "agent_rft.sqlite3") as db:
-        (method,) = db.execute("SELECT method FROM jobs WHERE id = ?", (report["job"]["id"],)).fetchone()
-    assert json.loads(method)["reinforcement"]["x_open_model"]["dtype"] == report["dtype"]
+        methods = [json.loads(m) for (m,) in db.execute("SELECT method FROM jobs ORDER BY created_at")]
+    assert [m["type"] for m in methods] == ["supervised", "reinforcement"]
+    assert all(m[m["type"]]["x_open_model"]["dtype"] == report["dtype"] for m in methods)
+    assert methods[1]["reinforcement"]["grader"]["type"] == "endpoint"
 
 
 def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):

@@ -1,22 +1,22 @@
-"""Does RFT make SmolLM2-135M-Instruct measurably better on the financial-reports task, on the CPU?
+"""Does the demo teach Agent RFT's lesson on the CPU: fewer tool calls and tokens, better answers?
 
-Everything runs in-process and for real: the synthetic corpus of examples/financial_reports, its
-tool server (search / list / cat) under uvicorn on 127.0.0.1, the demo's grader, the
-rollout engine and workers.rl.trainer.Trainer with in-memory hooks. No Celery, no API. Every
-setting is the demo's own (examples/financial_reports/demo_config.py, read by `demo_settings`).
+Everything runs in-process and for real, with exactly the demo's settings
+(examples/financial_reports/demo_config.py, read by `demo_settings`): the synthetic corpus of
+examples/financial_reports, its tool server (search / list / cat) and its grader server under
+uvicorn on 127.0.0.1, the browsing traces, workers.sft's supervised trainer, the rollout engine and
+workers.rl.trainer.Trainer with in-memory hooks. No Celery, no API: what is measured is the
+learning, not the plumbing.
 
-The task (examples/financial_reports/demo_task.py): one question per report and line item quoted
-in the report's text ("What was X's revenue in 2023?", "... net income ..."), so one `search`
-returns a snippet that holds the answer. Train and held-out questions are about DIFFERENT companies.
-
+    .venv/bin/python -m benchmarks.demo_learning.run train [--seeds 0 1 2]
     .venv/bin/python -m benchmarks.demo_learning.run signal [--samples 30 --k 4]
-    .venv/bin/python -m benchmarks.demo_learning.run train [--seeds 0 1 2] [--steps 12] [--model ...]
 
+`train`, per seed: browsing traces for the training questions; the base model, the starting agent
+(supervised on the traces) and the starting agent after reinforcement fine-tuning, each evaluated
+on the held-out companies (questions about companies never trained on) with the same rollout
+seeds; prints mean ± spread (half the max-min range) over seeds and per seed, and writes
+benchmarks/results/demo_learning.json.
 `signal`: k rollouts of the base model per training question; the shares of questions always
 wrong / always right / mixed (only mixed ones carry a GRPO gradient).
-`train`: per seed, held-out metrics of the base model, the training run, held-out metrics of the
-trained policy (same rollout seeds); prints mean ± spread (half the max-min range) over seeds
-and writes benchmarks/results/demo_learning.json.
 """
 
 from __future__ import annotations
@@ -43,26 +43,32 @@ RESULTS = REPO / "benchmarks" / "results" / "demo_learning.json"
 def demo_settings() -> dict[str, Any]:
     """The demo's own settings (examples/financial_reports/demo_config.py), in the shape this
     benchmark uses: what the README quotes is what `make demo` runs."""
-    from examples.financial_reports.demo_config import DEMO, dtype, grader_spec
+    from dataclasses import asdict
+
+    from examples.financial_reports.demo_config import CORRECT_ANSWER, DEMO, dtype
     from workers.rl.hyperparameters import group_size_for
 
-    x = DEMO.x_open_model
+    x, sft = DEMO.x_open_model, DEMO.sft_x_open_model
     return {
         "model": DEMO.model,
         "dtype": dtype(DEMO),
         "task": {"corpus_seed": DEMO.seed, "companies": DEMO.companies, "years": list(DEMO.years),
                  "held_out_companies": DEMO.held_out_companies},
         "system_prompt": DEMO.system_prompt,
-        "grader": grader_spec(DEMO.grader, "http://unused.invalid"),
-        "engine": {"max_episode_steps": DEMO.max_episode_steps, "max_tokens_per_turn": x["max_tokens_per_turn"],
+        "grader": CORRECT_ANSWER,  # what the evaluations count as correct
+        "charges": asdict(DEMO.charges),  # the reinforcement job's grader server
+        "traces": {"per_question": DEMO.traces_per_question, "cat_limit": DEMO.cat_limit},
+        "supervised": {**DEMO.sft_hyperparameters, "learning_rate": sft["learning_rate"], "lora_rank": sft["lora_rank"],
+                       "lora_alpha": sft["lora_alpha"], "max_seq_tokens": sft["max_seq_tokens"]},
+        "engine": {"max_episode_steps": DEMO.tool_budget, "max_tokens_per_turn": x["max_tokens_per_turn"],
                    "max_tokens_per_rollout": x["max_tokens_per_rollout"], "temperature": x["temperature"],
                    "top_p": x.get("top_p", 1.0)},
         "training": {"batch_size": DEMO.hyperparameters["batch_size"],
                      "group_size": group_size_for(DEMO.hyperparameters["compute_multiplier"]),
-                     "steps": DEMO.steps, "learning_rate": x["learning_rate"], "lora_rank": x["lora_rank"],
-                     "lora_alpha": x["lora_alpha"], "loss": x["loss"], "kl_coef": x["kl_coef"],
+                     "steps": DEMO.steps, "learning_rate": x["learning_rate"], "lora_rank": sft["lora_rank"],
+                     "lora_alpha": sft["lora_alpha"], "loss": x["loss"], "kl_coef": x["kl_coef"],
                      "clip_epsilon": x.get("clip_epsilon", 0.2)},
-        "eval": {"rollouts_per_question": 2},
+        "eval": {"rollouts_per_question": DEMO.eval_rollouts_per_row},
     }
 
 
@@ -123,7 +129,8 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
                            engine_config(settings))
     records = await engine.run(specs)
     graded = await grade_rollouts(grader(settings), GraderContext(), records, [s.item for s in specs])
-    return [{"row": s.sample_index, "reward": g.reward or 0.0, **sub_rewards(g), "tool_calls": len(g.record.tool_calls),
+    return [{"row": s.sample_index, "reward": g.reward or 0.0, **sub_rewards(g), "record": g.record,
+             "tool_calls": len(g.record.tool_calls),
              "tools": [call.name for call in g.record.tool_calls], "tool_output_tokens": g.record.tool_output_tokens,
              "tokens": g.record.completion_tokens, "seconds": g.record.wall_time_s,
              "finish": g.record.finish_reason, "answer": g.record.final_answer, "messages": g.record.messages}
@@ -131,7 +138,7 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
 
 
 def sub_rewards(graded: Any) -> dict[str, float]:
-    """`correct` (numeric_match) and `searched`; a plain numeric_match grader has only `correct`."""
+    """A multi grader's sub-rewards by name; a single grader's reward as `correct`."""
     subs = (graded.grade.result.sub_rewards or {}) if graded.grade else {}
     if not subs:
         return {"correct": graded.reward or 0.0}
@@ -139,16 +146,22 @@ def sub_rewards(graded: Any) -> dict[str, float]:
 
 
 def metrics(results: list[dict[str, Any]]) -> dict[str, float]:
-    return {"accuracy": mean(r["correct"] for r in results),
-            "reward": mean(r["reward"] for r in results),
-            "searched_for_company": mean(r.get("searched", 0.0) for r in results),
-            "tool_calls_per_rollout": mean(r["tool_calls"] for r in results),
-            **{f"{name}_calls_per_rollout": mean(r.get("tools", []).count(name) for r in results)
-               for name in ("search", "list", "cat")},
-            "tool_output_tokens_per_rollout": mean(r.get("tool_output_tokens", 0) for r in results),
-            "tokens_per_rollout": mean(r["tokens"] for r in results),
-            "seconds_per_rollout": mean(r["seconds"] for r in results),
-            "answered_rate": mean(r["finish"] == "answered" for r in results)}
+    """What the demo's table shows, per rollout: correct answers, tool calls (by tool), tokens
+    written and read, seconds, answered within the budget (workers.rl.summary over the records)."""
+    from workers.rl.summary import summarize
+
+    summary = summarize([r["record"] for r in results])
+    by_tool = summary["tool_calls_per_rollout_by_tool"]
+    completion, tool_output = summary["completion_tokens_per_rollout"], summary["tool_output_tokens_per_rollout"]
+    return {"correct": mean(r["correct"] for r in results),
+            "tool_calls_per_rollout": summary["tool_calls_per_rollout"],
+            **{f"{name}_calls_per_rollout": by_tool.get(name, 0.0) for name in ("search", "list", "cat")},
+            "completion_tokens_per_rollout": completion, "tool_output_tokens_per_rollout": tool_output,
+            "tokens_per_rollout": completion + tool_output,
+            "seconds_per_rollout": summary["wall_time_s_mean"],
+            "within_budget": 1 - summary["budget_exhausted_rate"],
+            "answered_rate": summary["finish_reasons"].get("answered", 0.0),
+            "parse_error_rate": summary["parse_error_rate"]}
 
 
 def signal_shares(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -205,51 +218,138 @@ def training_config(settings: dict[str, Any], n_train: int, seed: int) -> Any:
         seed=seed)
 
 
-async def train_one_seed(settings: dict[str, Any], port: int, train_rows: list[dict], held_out: list[dict],
-                         seed: int, work_dir: Path) -> dict[str, Any]:
+class SupervisedHooks(QuietHooks):
+    """The supervised trainer's reporting channel: a line per step."""
+
+    async def on_step(self, step: int, metrics: dict, train_records: list[dict]) -> None:
+        self.metrics.append(metrics)
+        print(f"  supervised step {step}/{metrics['total_steps']}: loss {metrics['train_loss']:.3f} token accuracy "
+              f"{metrics['train_mean_token_accuracy']:.3f} {metrics['timing']['step_s']:.1f}s", flush=True)
+
+    async def control(self) -> str:
+        return "continue"
+
+
+async def starting_agent(settings: dict[str, Any], loaded: Any, traces: list[dict], seed: int, work_dir: Path) -> dict:
+    """Supervised fine-tuning on the browsing traces, in place on `loaded` (a LoRA adapter)."""
+    from workers.sft.hyperparameters import SupervisedConfig
+    from workers.sft.trainer import SupervisedTrainer
+
+    s = settings["supervised"]
+    config = SupervisedConfig(batch_size=s["batch_size"], n_epochs=s["n_epochs"], learning_rate=s["learning_rate"],
+                              eval_interval=10_000, lora_rank=s["lora_rank"], lora_alpha=s["lora_alpha"],
+                              max_seq_tokens=s["max_seq_tokens"], seed=seed)
+    hooks = SupervisedHooks(0)
+    started = time.perf_counter()
+    outcome = await SupervisedTrainer(loaded=loaded, config=config, train_rows=traces, valid_rows=[],
+                                      work_dir=work_dir, hooks=hooks).run()
+    if outcome.status != "succeeded":
+        raise RuntimeError(f"supervised training failed: {outcome.error}")
+    return {"seconds": time.perf_counter() - started, "loss_curve": [m["train_loss"] for m in hooks.metrics]}
+
+
+async def reinforce(settings: dict[str, Any], loaded: Any, client: Any, grader_url: str, port: int,
+                    train_rows: list[dict], held_out: list[dict], seed: int, work_dir: Path) -> dict:
+    """Reinforcement fine-tuning of the starting agent (its adapter, continued) with the demo's
+    endpoint grader: the right answer, charged for tool calls and tokens."""
+    from pydantic import TypeAdapter
+
     from app.graders.core import GraderContext
+    from app.graders.schemas import Grader
+    from examples.financial_reports.demo_config import grader_spec
+    from workers.rl.trainer import Trainer
+
+    config = training_config(settings, len(train_rows), seed)
+    config = replace(config, eval_interval=10_000 * config.n_epochs)
+    hooks = QuietHooks(settings["training"]["steps"])
+    trainer = Trainer(loaded=loaded, config=config, train_rows=train_rows, valid_rows=held_out[:1],
+                      grader=TypeAdapter(Grader).validate_python(grader_spec(grader_url)),
+                      grader_ctx=GraderContext(outbound_allowlist=["127.0.0.1"]), tool_client=client,
+                      job_tools=tool_endpoints(port), work_dir=work_dir, hooks=hooks)
+    started = time.perf_counter()
+    outcome = await trainer.run()
+    if len(hooks.metrics) < settings["training"]["steps"]:
+        raise RuntimeError(f"training failed: {outcome.error}")
+    steps = [m["timing"]["step"]["full_iteration"] for m in hooks.metrics]
+    return {"seconds": time.perf_counter() - started, "steps": len(steps), "step_seconds_mean": mean(steps),
+            "reward_curve": [m["scores"]["train_reward_mean"] for m in hooks.metrics],
+            "tool_calls_curve": [m["tools"].get("tool_calls_per_rollout", 0) for m in hooks.metrics],
+            "mixed_group_share_curve": [1 - m["train"]["frac_reward_zero_std"] for m in hooks.metrics]}
+
+
+async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, train_rows: list[dict],
+                         held_out: list[dict], seed: int, work_dir: Path) -> dict[str, Any]:
+    """The demo's story for one seed: the base model, the starting agent (supervised on browsing
+    traces), then reinforcement fine-tuning of it, each evaluated on the held-out companies with
+    the same rollout seeds."""
+    from examples.financial_reports.traces import browsing_traces
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer
 
     loaded = load_model(settings["model"], dtype=settings["dtype"])
     k = settings["eval"]["rollouts_per_question"]
+    evaluations, samples = {}, {}
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
-        before = await rollouts(loaded, client, settings, held_out, k, seed=1000 + seed)
-        print(f"seed {seed}: base held-out {metrics(before)}", flush=True)
-        config = training_config(settings, len(train_rows), seed)
-        config = replace(config, eval_interval=10_000 * config.n_epochs)
-        hooks = QuietHooks(settings["training"]["steps"])
-        trainer = Trainer(loaded=loaded, config=config, train_rows=train_rows, valid_rows=held_out[:1],
-                          grader=grader(settings), grader_ctx=GraderContext(), tool_client=client,
-                          job_tools=tool_endpoints(port), work_dir=work_dir, hooks=hooks)
-        started = time.perf_counter()
-        outcome = await trainer.run()
-        train_seconds = time.perf_counter() - started
-        if len(hooks.metrics) < settings["training"]["steps"]:
-            raise RuntimeError(f"training failed: {outcome.error}")
-        after = await rollouts(loaded, client, settings, held_out, k, seed=1000 + seed)  # LoRA is in loaded.model
-        print(f"seed {seed}: trained held-out {metrics(after)}", flush=True)
-    steps = [m["timing"]["step"]["full_iteration"] for m in hooks.metrics]
-    return {"seed": seed, "before": metrics(before), "after": metrics(after), "train_seconds": train_seconds,
-            "steps": len(steps), "step_seconds_mean": mean(steps),
-            "train_reward_curve": [m["scores"]["train_reward_mean"] for m in hooks.metrics],
-            "train_correct_curve": [(m["scores"].get("train_sub_rewards") or {}).get("correct") for m in hooks.metrics],
-            "mixed_group_share_curve": [1 - m["train"]["frac_reward_zero_std"] for m in hooks.metrics]}
+        traces = await browsing_traces(train_rows, client, seed=seed, per_row=settings["traces"]["per_question"],
+                                       cat_limit=settings["traces"]["cat_limit"])
+
+        async def evaluate(stage: str) -> None:
+            results = await rollouts(loaded, client, settings, held_out, k, seed=1000 + seed)
+            evaluations[stage], samples[stage] = metrics(results), [transcript(r) for r in results[:4]]
+            print(f"seed {seed}, {stage}: {evaluations[stage]}", flush=True)
+
+        await evaluate("base")
+        supervised = await starting_agent(settings, loaded, traces, seed, work_dir / "supervised")
+        await evaluate("starting_agent")
+        reinforcement = await reinforce(settings, loaded, client, grader_url, port, train_rows, held_out, seed,
+                                        work_dir / "reinforcement")
+        await evaluate("after_rft")
+    calls = [sum(1 for m in t["messages"] if m.get("tool_calls")) for t in traces]
+    return {"seed": seed, **evaluations, "traces": len(traces), "trace_calls_mean": mean(calls),
+            "supervised": supervised, "reinforcement": reinforcement, "samples": samples}
+
+
+def transcript(result: dict[str, Any]) -> dict[str, Any]:
+    """What one rollout did, for reading: the model's turns and the start of each tool's answer."""
+    turns = [f"{m['role']}: {str(m.get('content'))[:160]}" for m in result["messages"]
+             if m["role"] in ("assistant", "tool")]
+    return {"finish": result["finish"], "correct": result["correct"], "tools": result["tools"], "turns": turns}
 
 
 def spread(values: list[float]) -> tuple[float, float]:
     return mean(values), (max(values) - min(values)) / 2
 
 
+ROWS = ("correct", "tool_calls_per_rollout", "search_calls_per_rollout", "list_calls_per_rollout",
+        "cat_calls_per_rollout", "completion_tokens_per_rollout", "tool_output_tokens_per_rollout",
+        "tokens_per_rollout", "seconds_per_rollout", "within_budget", "answered_rate")
+STAGES = ("base", "starting_agent", "after_rft")
+
+
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| metric (held-out) | base | trained |", "|---|---|---|"]
-    for key in ("accuracy", "reward", "searched_for_company", "tool_calls_per_rollout", "tokens_per_rollout", "seconds_per_rollout", "answered_rate"):
-        b, a = spread([r["before"][key] for r in runs]), spread([r["after"][key] for r in runs])
-        lines.append(f"| {key} | {b[0]:.3f} ± {b[1]:.3f} | {a[0]:.3f} ± {a[1]:.3f} |")
-    t, s = spread([r["train_seconds"] for r in runs]), spread([r["step_seconds_mean"] for r in runs])
-    lines.append(f"| training time (s) | | {t[0]:.0f} ± {t[1]:.0f} ({runs[0]['steps']} steps, "
-                 f"{s[0]:.1f} ± {s[1]:.1f} s/step) |")
+    """Mean ± spread over seeds per stage, and the change from the starting agent to after RFT."""
+    lines = ["| held-out, per rollout | base | starting agent (SFT) | after RFT | change |", "|---|---|---|---|---|"]
+    for key in ROWS:
+        cells = [spread([r[stage][key] for r in runs]) for stage in STAGES]
+        start, end = cells[1][0], cells[2][0]
+        change = (f"{end - start:+.0%} pts" if key in ("correct", "within_budget", "answered_rate")
+                  else f"{(end - start) / start:+.0%}" if start else "-")
+        lines.append(f"| {key} | " + " | ".join(f"{m:.3f} ± {h:.3f}" for m, h in cells) + f" | {change} |")
+    for stage in ("supervised", "reinforcement"):
+        t = spread([r[stage]["seconds"] for r in runs])
+        lines.append(f"| {stage} training time (s) | | {t[0]:.0f} ± {t[1]:.0f} | | |")
+    return "\n".join(lines)
+
+
+def per_seed_table(runs: list[dict[str, Any]]) -> str:
+    lines = ["| seed | correct | tool calls | tokens (completion + tool output) | seconds | within budget |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        def cell(key: str, spec: str) -> str:
+            return " → ".join(format(r[stage][key], spec) for stage in STAGES[1:])
+        lines.append(f"| {r['seed']} | {cell('correct', '.0%')} | {cell('tool_calls_per_rollout', '.2f')} | "
+                     f"{cell('tokens_per_rollout', '.0f')} | {cell('seconds_per_rollout', '.1f')} | "
+                     f"{cell('within_budget', '.0%')} |")
     return "\n".join(lines)
 
 
@@ -261,6 +361,15 @@ def serve_tools(stack: ExitStack, corpus: Path, cache: Path, *, suggest_cat: boo
     from tests.conftest import serve_app
 
     return stack.enter_context(serve_app(create_app(corpus, index_cache_dir=cache, suggest_cat=suggest_cat)))
+
+
+def serve_grader(stack: ExitStack, tools_port: int, settings: dict[str, Any]) -> str:
+    """The demo's grader server (right answer x efficiency) on 127.0.0.1; its base URL."""
+    from examples.financial_reports.grader_server import Charges, create_grader_app
+    from tests.conftest import serve_app
+
+    app = create_grader_app(f"http://127.0.0.1:{tools_port}", charges=Charges(**settings["charges"]))
+    return f"http://127.0.0.1:{stack.enter_context(serve_app(app))}"
 
 
 async def measure_signal(settings: dict[str, Any], port: int, rows: list[dict], k: int) -> dict[str, Any]:
@@ -328,13 +437,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(report, indent=2))
             out = {"signal": report, "settings": settings}
         else:
+            grader_url = serve_grader(stack, port, settings)
             runs = []
             for seed in args.seeds:
-                runs.append(asyncio.run(train_one_seed(settings, port, train_rows, held_out, seed,
+                runs.append(asyncio.run(train_one_seed(settings, port, grader_url, train_rows, held_out, seed,
                                                        Path(tmp) / f"run-{seed}")))
                 save("train", merged_runs(settings, runs))  # each seed as soon as it is done
             out = merged_runs(settings, runs)
             print(out["table"])
+            print(out["per_seed"])
     if args.command == "signal":
         save("signal", out)
     print(f"wrote {RESULTS}")
@@ -347,7 +458,8 @@ def merged_runs(settings: dict[str, Any], runs: list[dict[str, Any]]) -> dict[st
     kept = {r["seed"]: r for r in previous.get("runs", [])} if previous.get("settings") == settings else {}
     kept.update({r["seed"]: r for r in runs})
     merged = [kept[seed] for seed in sorted(kept)]
-    return {"runs": merged, "seeds": sorted(kept), "settings": settings, "table": table(merged)}
+    return {"runs": merged, "seeds": sorted(kept), "settings": settings, "table": table(merged),
+            "per_seed": per_seed_table(merged)}
 
 
 def load() -> dict[str, Any]:

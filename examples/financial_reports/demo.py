@@ -1,10 +1,14 @@
-"""`agent-rft demo`: an agent learns to use real tools, end to end, on the embedded default.
+"""`agent-rft demo`: Agent RFT's lesson, end to end, on the embedded default. A starting agent that
+over-browses a tree of annual reports (search, list, cat; 10 calls at most) is made by a supervised
+job on a scripted browsing policy's traces; a reinforcement job from its `ft:` model, graded on the
+right answer and charged for every tool call and token, teaches it to go straight to the answer.
 
 Every part runs as it would for a user: the API (`agent-rft serve`), a training worker
-(`agent-rft worker`), the example tool server and grader server are separate processes on free
-127.0.0.1 ports sharing one data directory (SQLite, embedded broker); the demo drives the API
-with the official `openai` SDK and evaluates with `agent-rft eval` (the training engine) before
-and after training. All values come from examples/financial_reports/demo_config.py.
+(`agent-rft worker`), the inference server, the example tool server and grader server are
+separate processes on free 127.0.0.1 ports sharing one data directory (SQLite, embedded broker);
+the demo drives the API with the official `openai` SDK and evaluates the base model, the starting
+agent and the trained agent with `agent-rft eval` (the training engine) on companies never trained
+on. All values come from examples/financial_reports/demo_config.py.
 
 The demo process itself never imports torch: models load in the worker and the eval processes,
 which the demo can stop at any moment. Children run in their own sessions; on success, failure,
@@ -220,15 +224,16 @@ def make_data(demo: Demo) -> dict[str, Path]:
         data, seed=cfg.seed, companies=cfg.companies, years=cfg.years, held_out_companies=cfg.held_out_companies,
         system_prompt=cfg.system_prompt)
     held_out = held_out[: cfg.held_out_rows]
-    train, n_epochs = size_training(train, cfg.steps, cfg.hyperparameters["batch_size"])
-    paths = {"corpus": corpus, "train": data / "demo-train.jsonl", "held_out": data / "demo-held-out.jsonl"}
-    write_jsonl(paths["train"], train)
+    rft_train, n_epochs = size_training(train, cfg.steps, cfg.hyperparameters["batch_size"])
+    paths = {"corpus": corpus, "questions": data / "train-questions.jsonl", "train": data / "rft-train.jsonl",
+             "held_out": data / "held-out.jsonl", "traces": data / "sft-traces.jsonl"}
+    write_jsonl(paths["questions"], train)
+    write_jsonl(paths["train"], rft_train)
     write_jsonl(paths["held_out"], held_out)
-    demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "train_rows": len(train),
-                           "held_out_rows": len(held_out), "n_epochs": n_epochs}
-    print(f"{demo.report['data']['documents']} reports of {cfg.companies} companies; {len(train)} training questions "
-          f"({n_epochs} epoch(s)), {len(held_out)} held-out questions about {cfg.held_out_companies} other "
-          f"companies, in {data}")
+    demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "train_questions": len(train),
+                           "rft_rows": len(rft_train), "held_out_rows": len(held_out), "n_epochs": n_epochs}
+    print(f"{demo.report['data']['documents']} reports of {cfg.companies} companies; {len(train)} training questions, "
+          f"{len(held_out)} held-out questions about {cfg.held_out_companies} other companies, in {data}")
     return paths
 
 
@@ -253,7 +258,7 @@ def start_services(demo: Demo, corpus: Path) -> None:
         ("tools", python_argv("-m", "examples.financial_reports.server", "--corpus", str(corpus),
                               "--port", str(demo.ports["tools"])), f"{tools}/healthz"),
         ("grader", python_argv("-m", "examples.financial_reports.grader_server", "--tool-server", tools,
-                               "--port", str(demo.ports["grader"])), f"{grader}/healthz"),
+                               "--port", str(demo.ports["grader"]), *charge_flags(cfg)), f"{grader}/healthz"),
     ]
     for name, argv, _ in services:
         children.start(name, argv)
@@ -263,6 +268,12 @@ def start_services(demo: Demo, corpus: Path) -> None:
         print(f"{name:9} ready at {demo.url(name)}  (log: {children.running[name].log})")
     wait_until(lambda: "ready" in worker.tail(100_000), "the worker", cfg.startup_timeout_s, children)
     print(f"worker    ready  (log: {worker.log})")
+
+
+def charge_flags(cfg: DemoConfig) -> list[str]:
+    c = cfg.charges
+    return ["--free-calls", str(c.free_calls), "--call-penalty", str(c.call_penalty),
+            "--token-penalty", str(c.token_penalty), "--floor", str(c.floor)]
 
 
 def create_project(workdir: Path) -> str:
@@ -291,16 +302,34 @@ def job_tools(tools_url: str) -> list[dict[str, Any]]:
             for s in TOOL_SCHEMAS]
 
 
-def grader(cfg: DemoConfig, grader_url: str) -> dict[str, Any]:
-    try:
-        return demo_config.grader_spec(cfg.grader, grader_url)
-    except ValueError as exc:
-        raise StageFailed(f"demo_config: {exc}") from exc
+def write_traces(demo: Demo, paths: dict[str, Path]) -> None:
+    """The starting agent's training file: the scripted browsing policy's traces against the demo's
+    own tool server (examples/financial_reports/traces.py), one chat row per trace."""
+    import asyncio
+
+    from examples.financial_reports.corpus import write_jsonl
+    from examples.financial_reports.traces import browsing_traces
+    from workers.rl.tools_client import ToolClient
+
+    cfg = demo.config
+    rows = [json.loads(line) for line in paths["questions"].read_text().splitlines()]
+
+    async def traces() -> list[dict[str, Any]]:
+        async with ToolClient(job_tools(demo.url("tools")), allowlist=["127.0.0.1"]) as client:
+            return await browsing_traces(rows, client, seed=cfg.seed, per_row=cfg.traces_per_question,
+                                         cat_limit=cfg.cat_limit)
+
+    written = asyncio.run(traces())
+    write_jsonl(paths["traces"], written)
+    calls = [sum(1 for m in t["messages"] if m.get("tool_calls")) for t in written]
+    demo.report["traces"] = {"rows": len(written), "calls_per_trace": sum(calls) / len(calls)}
+    print(f"{len(written)} browsing traces, {min(calls)} to {max(calls)} tool calls each "
+          f"({sum(calls) / len(calls):.1f} on average), in {paths['traces']}")
 
 
 def upload(client: openai.OpenAI, paths: dict[str, Path]) -> dict[str, str]:
     ids = {}
-    for key in ("train", "held_out"):
+    for key in ("traces", "train", "held_out"):
         with paths[key].open("rb") as fh:
             uploaded = client.files.create(file=(paths[key].name, fh), purpose="fine-tune")
         ids[key] = uploaded.id
@@ -314,7 +343,7 @@ def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict
     x = cfg.x_open_model
     argv = cli_argv("eval", "--model", model, "--data", str(paths["held_out"]), "--tools", str(paths["tools"]),
                     "--grader", str(paths["grader"]), "--n", str(cfg.eval_rollouts_per_row),
-                    "--temperature", str(cfg.eval_temperature), "--max-episode-steps", str(cfg.max_episode_steps),
+                    "--temperature", str(cfg.eval_temperature), "--max-episode-steps", str(cfg.tool_budget),
                     "--max-tokens-per-turn", str(x.get("max_tokens_per_turn", 256)),
                     "--max-tokens-per-rollout", str(x.get("max_tokens_per_rollout", 2048)), "--dtype", demo.dtype,
                     "--json", str(out))
@@ -330,10 +359,9 @@ def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict
     report = json.loads(out.read_text())
     report.pop("rollouts", None)  # the transcripts stay in eval-<label>.json
     summary = report["summary"]
-    print(f"{label}: pass rate {report['accuracy']['pass_rate']:.0%}, mean reward "
-          f"{report['accuracy']['mean_reward']:.3f}, {summary.get('tool_calls_per_rollout', 0):.2f} tool calls, "
-          f"{summary.get('completion_tokens_per_rollout', 0):.0f} tokens, "
-          f"{summary.get('wall_time_s_mean', 0):.1f} s per rollout  (details: {out})")
+    print(f"{label}: {report['accuracy']['pass_rate']:.0%} correct, {summary.get('tool_calls_per_rollout', 0):.2f} "
+          f"tool calls, {summary.get('completion_tokens_per_rollout', 0) + summary.get('tool_output_tokens_per_rollout', 0):.0f} "
+          f"tokens, {summary.get('wall_time_s_mean', 0):.1f} s per rollout  (details: {out})")
     return report
 
 
@@ -355,7 +383,7 @@ def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict
 
     row = json.loads(paths["held_out"].read_text().splitlines()[0])
     item = {k: v for k, v in row.items() if k not in ("messages", "tools")}
-    messages, tools, budget = list(row["messages"]), row.get("tools") or TOOL_SCHEMAS, demo.config.max_episode_steps
+    messages, tools, budget = list(row["messages"]), row.get("tools") or TOOL_SCHEMAS, demo.config.tool_budget
     tools_file = demo.workdir / "chat-tools.json"
     tools_file.write_text(json.dumps(tools, indent=2))
     print(openai_snippet(demo, model, row["messages"][-1]["content"], tools_file))
@@ -396,52 +424,41 @@ def openai_snippet(demo: Demo, model: str, question: str, tools_file: Path) -> s
             f"  print(answer.choices[0].message)\n")
 
 
-def job_method(demo: Demo) -> dict[str, Any]:
-    """method.reinforcement of the job, and of the variance diagnostic before it (the same inputs)."""
+def supervised_method(demo: Demo) -> dict[str, Any]:
+    cfg = demo.config
+    return {"type": "supervised", "supervised": {
+        "hyperparameters": cfg.sft_hyperparameters, "x_open_model": {**cfg.sft_x_open_model, "dtype": demo.dtype}}}
+
+
+def reinforcement_method(demo: Demo) -> dict[str, Any]:
+    """The endpoint grader (the right number x the efficiency of finding it) and the demo's tools."""
     cfg = demo.config
     hyperparameters = {**cfg.hyperparameters, "n_epochs": demo.report["data"]["n_epochs"]}
     return {"type": "reinforcement", "reinforcement": {
-        "grader": grader(cfg, demo.url("grader")), "tools": job_tools(demo.url("tools")),
-        "max_episode_steps": cfg.max_episode_steps, "hyperparameters": hyperparameters,
+        "grader": demo_config.grader_spec(demo.url("grader")), "tools": job_tools(demo.url("tools")),
+        "max_episode_steps": cfg.tool_budget, "hyperparameters": hyperparameters,
         "x_open_model": {**cfg.x_open_model, "dtype": demo.dtype}}}
 
 
-def diagnose(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> dict[str, Any]:
-    """The variance diagnostic on a few training questions: how many can teach the model anything."""
-    from app.cli_client import CliError, format_diagnostic, run_diagnostic
-
+def train(demo: Demo, client: openai.OpenAI, *, label: str, model: str, training_file: str,
+          method: dict[str, Any]) -> Any:
+    """Create a job through the SDK, print where to watch it, follow it to the end: the job, succeeded."""
     cfg = demo.config
-    last: list[str] = []
-
-    def progress(diagnostic: dict[str, Any]) -> None:
-        line = json.dumps(diagnostic.get("progress"), sort_keys=True)
-        if line not in last:
-            last.append(line)
-            done = diagnostic.get("progress") or {}
-            total = f"/{done['rollouts_total']}" if done.get("rollouts_total") else ""
-            print(f"  {diagnostic['status']}: {done.get('rollouts_done', 0)}{total} rollouts", flush=True)
-
-    try:
-        diagnostic = run_diagnostic(client, model=cfg.model, training_file=files["train"], method=job_method(demo),
-                                    runs_per_sample=cfg.diagnostic_runs, max_samples=cfg.diagnostic_samples,
-                                    seed=cfg.seed, interval=POLL_S, on_progress=progress,
-                                    timeout_s=cfg.job_timeout_s)
-    except CliError as exc:
-        raise StageFailed(str(exc)) from exc
-    if diagnostic["status"] != "succeeded":
-        raise StageFailed(f"the diagnostic ended {diagnostic['status']}: {diagnostic.get('error')}\n"
-                          f"end of the worker log:\n{demo.children.running['worker'].tail()}")
-    print(format_diagnostic(diagnostic))
-    return {"id": diagnostic["id"], "summary": diagnostic.get("summary"), "verdict": diagnostic.get("verdict")}
-
-
-def create_job(demo: Demo, client: openai.OpenAI, files: dict[str, str]) -> Any:
-    cfg = demo.config
-    method = job_method(demo)
-    job = client.fine_tuning.jobs.create(
-        model=cfg.model, training_file=files["train"], validation_file=files["held_out"], seed=cfg.seed,
-        suffix="demo", metadata={"demo": "financial-reports"}, method=method)
-    print(f"created job {job.id} ({cfg.model}, {method['reinforcement']['hyperparameters']})")
+    created = client.fine_tuning.jobs.create(
+        model=model, training_file=training_file, seed=cfg.seed, suffix=label,
+        metadata={"demo": "financial-reports", "stage": label}, method=method)
+    block = method[method["type"]]
+    print(f"created {method['type']} job {created.id} from {model} ({block['hyperparameters']})")
+    print(f"watch it live: {demo.url('api')}/dashboard/jobs/{created.id}  (log in with the demo's API key, in "
+          f"{demo.workdir / 'api-key'})", flush=True)
+    job = follow_job(demo, client, created.id)
+    demo.report[label] = {"id": job.id, "status": job.status, "model": model, "fine_tuned_model": job.fine_tuned_model,
+                          "error": job.error.model_dump() if job.error and job.error.message else None}
+    if job.status != "succeeded":
+        error = f": {job.error.code}: {job.error.message}" if job.error and job.error.message else ""
+        raise StageFailed(f"the {label} job ended {job.status}{error}\nend of the worker log:\n"
+                          f"{demo.children.running['worker'].tail()}")
+    print(f"succeeded: {job.fine_tuned_model}")
     return job
 
 
@@ -481,40 +498,37 @@ def final_checkpoint(workdir: Path, job_id: str) -> Path:
 # --- the table --------------------------------------------------------------------------------------
 
 
-def comparison_rows(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
-    def both(fmt: Callable[[dict[str, Any]], str]) -> tuple[str, str]:
-        return fmt(before), fmt(after)
-
-    def number(path: tuple[str, ...], spec: str) -> Callable[[dict[str, Any]], str]:
-        def read(report: dict[str, Any]) -> str:
-            value: Any = report
-            for key in path:
-                value = value.get(key, {}) if isinstance(value, dict) else None
-            return format(value, spec) if isinstance(value, (int, float)) else "-"
-        return read
-
-    rows = []
-    if "correct" in before["accuracy"].get("sub_rewards", {}):  # the multi grader: its parts, by name
-        rows += [("correct answers", *both(number(("accuracy", "sub_rewards", "correct"), ".0%"))),
-                 ("searched for the company", *both(number(("accuracy", "sub_rewards", "searched"), ".0%")))]
-    else:
-        rows += [("accuracy (pass rate)", *both(number(("accuracy", "pass_rate"), ".0%")))]
-    rows += [("mean reward", *both(number(("accuracy", "mean_reward"), ".3f"))),
-            ("tool calls per rollout", *both(number(("summary", "tool_calls_per_rollout"), ".2f")))]
-    tools = sorted({*before["summary"].get("tool_calls_per_rollout_by_tool", {}),
-                    *after["summary"].get("tool_calls_per_rollout_by_tool", {})})
-    rows += [(f"  {tool}", *both(number(("summary", "tool_calls_per_rollout_by_tool", tool), ".2f"))) for tool in tools]
-    # Requests the tool-result cache saved (read-only tools with `cache`). The demo's tools keep it
-    # off: its grader counts each trace_id's calls at the tool server, per-trace state a cache would hide.
-    rows += [("tool calls from cache", *both(number(("summary", "tool_calls_saved"), ".0f")))]
-    rows += [("tokens per rollout", *both(number(("summary", "completion_tokens_per_rollout"), ".1f"))),
-             ("seconds per rollout", *both(number(("summary", "wall_time_s_mean"), ".2f")))]
-    return rows
+STAGE_COLUMNS = {"base": "base", "starting_agent": "starting", "after_rft": "after RFT"}
 
 
-def format_comparison(rows: list[tuple[str, str, str]]) -> str:
-    lines = [f"{'':26}{'before':>10}{'after':>10}"]
-    lines += [f"{name:26}{b:>10}{a:>10}" for name, b, a in rows]
+def comparison_rows(reports: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
+    """One row per measure, one column per evaluated stage (base model, starting agent, after RFT)."""
+    def row(name: str, read: Callable[[dict[str, Any]], Any], spec: str) -> tuple[str, ...]:
+        values = [read(report) for report in reports.values()]
+        return (name, *(format(v, spec) if isinstance(v, (int, float)) else "-" for v in values))
+
+    def summary(key: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda report: report["summary"].get(key)
+
+    tools = sorted({tool for report in reports.values() for tool in report["summary"].get("tool_calls_per_rollout_by_tool", {})})
+    return [
+        row("correct answers", lambda r: r["accuracy"]["pass_rate"], ".0%"),
+        row("tool calls per rollout", summary("tool_calls_per_rollout"), ".2f"),
+        *(row(f"  {tool}", lambda r, t=tool: r["summary"].get("tool_calls_per_rollout_by_tool", {}).get(t, 0.0), ".2f")
+          for tool in tools),
+        row("tokens per rollout", lambda r: r["summary"]["completion_tokens_per_rollout"]
+            + r["summary"]["tool_output_tokens_per_rollout"], ".0f"),
+        row("  completion", summary("completion_tokens_per_rollout"), ".0f"),
+        row("  tool output", summary("tool_output_tokens_per_rollout"), ".0f"),
+        row("seconds per rollout", summary("wall_time_s_mean"), ".1f"),
+        row("answered within budget", lambda r: r["summary"]["finish_reasons"].get("answered", 0.0), ".0%"),
+    ]
+
+
+def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
+    columns = [STAGE_COLUMNS[stage] for stage in reports]
+    lines = [f"{'held-out, per rollout':26}" + "".join(f"{c:>12}" for c in columns)]
+    lines += [f"{name:26}" + "".join(f"{v:>12}" for v in values) for name, *values in comparison_rows(reports)]
     return "\n".join(lines)
 
 
@@ -527,45 +541,42 @@ def stages(demo: Demo) -> None:
         paths = make_data(demo)
         paths["tools"] = demo.workdir / "tools.json"
         paths["tools"].write_text(json.dumps(job_tools(demo.url("tools")), indent=2))
-        paths["grader"] = demo.workdir / "grader.json"
-        paths["grader"].write_text(json.dumps(grader(cfg, demo.url("grader"))))
-    with demo.step("2/9 services: API, worker, tool server, grader"):
+        paths["grader"] = demo.workdir / "correct-answer.json"  # what the evaluations count as correct
+        paths["grader"].write_text(json.dumps(demo_config.CORRECT_ANSWER))
+    with demo.step("2/9 services: API, worker, inference, tool server, grader"):
         key = create_project(demo.workdir)
         key_file = demo.workdir / "api-key"
         key_file.touch(mode=0o600)
         key_file.write_text(key + "\n")
         start_services(demo, paths["corpus"])
     client = openai.OpenAI(base_url=f"{demo.url('api')}/v1", api_key=key, max_retries=2)
-    with demo.step("3/9 upload (openai SDK)"):
+    with demo.step("3/9 browsing traces: a scripted, wasteful policy against the tool server"):
+        write_traces(demo, paths)
+    with demo.step("4/9 upload (openai SDK)"):
         files = upload(client, paths)
-    dashboard = f"{demo.url('api')}/dashboard"
-    with demo.step("4/9 variance diagnostic: which training questions can teach the model anything"):
-        demo.report["diagnostic"] = diagnose(demo, client, files)
-        print(f"browse it: {dashboard}/diagnostics/{demo.report['diagnostic']['id']}")
-    with demo.step(f"5/9 before: {cfg.model} on the held-out questions"):
-        demo.report["before"] = evaluate(demo, "before", cfg.model, paths)
-    with demo.step("6/9 train (reinforcement fine-tuning)"):
-        created = create_job(demo, client, files)
-        print(f"watch it live: {dashboard}/jobs/{created.id}  (log in with the demo's API key, in "
-              f"{demo.workdir / 'api-key'})", flush=True)
-        job = follow_job(demo, client, created.id)
-        demo.report["job"] = {"id": job.id, "status": job.status, "fine_tuned_model": job.fine_tuned_model,
-                              "error": job.error.model_dump() if job.error and job.error.message else None}
-        if job.status != "succeeded":
-            error = f": {job.error.code}: {job.error.message}" if job.error and job.error.message else ""
-            raise StageFailed(f"the job ended {job.status}{error}\nend of the worker log:\n"
-                              f"{demo.children.running['worker'].tail()}")
-        print(f"succeeded: {job.fine_tuned_model}")
-    with demo.step("7/9 after: the final checkpoint on the held-out questions"):
+    with demo.step("5/9 the starting agent: supervised fine-tuning on the traces"):
+        starting = train(demo, client, label="starting_agent", model=cfg.model, training_file=files["traces"],
+                         method=supervised_method(demo))
+    evaluations: dict[str, dict[str, Any]] = {}
+    with demo.step("6/9 before: the base model and the starting agent on held-out companies"):
+        if cfg.evaluate_base:
+            evaluations["base"] = evaluate(demo, "base", cfg.model, paths)
+        evaluations["starting_agent"] = evaluate(demo, "starting_agent",
+                                                 str(final_checkpoint(demo.workdir, starting.id)), paths)
+    with demo.step("7/9 reinforcement fine-tuning from the starting agent's ft: model"):
+        job = train(demo, client, label="rft", model=starting.fine_tuned_model, training_file=files["train"],
+                    method=reinforcement_method(demo))
+    with demo.step("8/9 after: the trained agent on held-out companies"):
         checkpoint = final_checkpoint(demo.workdir, job.id)
         demo.report["checkpoint"] = str(checkpoint)
-        demo.report["after"] = evaluate(demo, "after", str(checkpoint), paths)
-    with demo.step("8/9 use the trained agent: chat completions (openai SDK)"):
+        evaluations["after_rft"] = evaluate(demo, "after_rft", str(checkpoint), paths)
+        demo.report["evaluations"] = evaluations
+    with demo.step("9/9 use the trained agent (chat completions, openai SDK), and the results"):
         demo.report["serving"] = use_trained_model(demo, client, job.fine_tuned_model, paths)
-    with demo.step("9/9 results"):
-        print(format_comparison(comparison_rows(demo.report["before"], demo.report["after"])))
-        print(f"\nThe run is kept in {demo.workdir}. To browse it on the dashboard (reward curves, tool calls, "
-              f"rollout transcripts, the variance report) and call the trained model once the demo has stopped:\n"
+        print("\n" + format_comparison(evaluations))
+        dashboard = f"{demo.url('api')}/dashboard"
+        print(f"\nThe run is kept in {demo.workdir}. To browse it on the dashboard (reward curves, the tool-call mix "
+              f"step by step, rollout transcripts) and call the trained model once the demo has stopped:\n"
               f"  export AGENT_RFT_DATA_DIR={demo.workdir} AGENT_RFT_INFERENCE_MODELS={cfg.model} "
               f"AGENT_RFT_INFERENCE_DTYPE={demo.dtype}\n"
               f"  agent-rft serve --port {demo.ports['api']} & agent-rft inference &   # the API, and the "
@@ -609,8 +620,8 @@ def run_demo(*, model: str | None = None, steps: int | None = None, quick: bool 
     env = child_env(workdir, f"http://127.0.0.1:{ports['api']}", inference_url=f"http://127.0.0.1:{ports['inference']}",
                     model=config.model, dtype=precision)
     demo = Demo(config, workdir, Children(workdir, env), ports, precision)
-    print(f"agent-rft demo: {config.model} in {demo.dtype}, {config.steps} training steps, budget "
-          f"{config.time_budget_s / 60:.0f} min, everything in {workdir}")
+    print(f"agent-rft demo: {config.model} in {demo.dtype}: a starting agent by supervised fine-tuning, then "
+          f"{config.steps} reinforcement steps; budget {config.time_budget_s / 60:.0f} min, everything in {workdir}")
     previous = install_signal_handlers(config.time_budget_s)
     code, outcome = EXIT_FAILED, "failed"
     try:
@@ -653,8 +664,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="agent-rft demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help=f"model to train (default {demo_config.DEMO.model})")
-    parser.add_argument("--steps", type=int, help=f"training steps (default {demo_config.DEMO.steps})")
-    parser.add_argument("--quick", action="store_true", help="a tiny model and two steps: a smoke run in minutes")
+    parser.add_argument("--steps", type=int, help=f"reinforcement steps (default {demo_config.DEMO.steps})")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and one step per job: a smoke run in minutes")
     parser.add_argument("--workdir", type=Path, default=Path(".agent-rft-demo"), help="wiped at start")
     parser.add_argument("--seed", type=int, help="data and training seed")
     args = parser.parse_args(argv)

@@ -3,27 +3,43 @@ each question against the real tool server, and every step becomes OpenAI chat J
 `tool_calls`, `tool` results with the server's real output, the final answer).
 
 The policy stands in for a prompted model that over-browses, the starting point of Agent RFT's
-demo: it lists the top of the tree, then the company's folder, searches, reads a report (now and
-then the other year's first), and answers. Each step is drawn per question from a seeded
-generator, so traces differ in length (2 to 5 calls) and order, which leaves reinforcement
-learning a spread to learn from. The search result's snippet already holds the answer: the
-shortest correct path is one call.
+demo. Per question a seeded generator picks one of the strategies below. Each searches, then
+browses on paths it reads off an earlier tool result (a search hit or a listing), never writes one
+itself, and some go wrong on the way and recover (a `cat` on a folder, answered with an error, then
+a `list` of it). So the agent learns to copy paths and to do something else after an error, and
+traces differ in length (1 to 4 calls), which leaves reinforcement learning a spread to learn
+from. The search result's snippet already holds the answer: the shortest correct path is one call.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from examples.financial_reports.server import TOOL_SCHEMAS
 
-BROWSING_PROMPT = ("You answer questions about companies' annual reports. Look the figures up with the tools, "
-                   "then answer in one sentence.")
-CAT_LIMIT = 1200  # characters a trace's `cat` reads: the opening of a report, where its figures are quoted
-# How often the scripted policy takes each optional step.
-LIST_TOP, LIST_COMPANY, READ_OTHER_YEAR_FIRST, READ_REPORT = 0.6, 0.7, 0.35, 0.8
+# The call syntax is shown once in the system message: a model shown it writes calls the parser
+# reads, and the rollout engine then adds no generic tool instructions (fewer prompt tokens).
+BROWSING_PROMPT = (
+    "You answer questions about companies' annual reports with the tools search(query), "
+    "list(path) and cat(path, limit). Call one tool per turn, e.g. "
+    '<tool_call>{"name": "search", "arguments": {"query": "Acme Foods revenue 2023"}}</tool_call>, '
+    "then answer in one sentence.")
+CAT_LIMIT = 360  # characters a trace's `cat` reads: a report's title and opening paragraph, which quotes its figures
+# Strategies and how often the scripted policy takes each. Every one searches first: a small model
+# copies a path from a search hit far more reliably than it finds a company's folder in a listing.
+STRATEGIES: dict[str, float] = {
+    "search": 0.10,             # search, answer
+    "search_cat": 0.20,         # search, read the report, answer
+    "search_wrong_cat": 0.20,   # search, read the other year's report first, then the right one
+    "search_browse": 0.15,      # search, list the company's folder and the year's, read the report
+    "search_recover": 0.15,     # search, cat the report's folder (an error), list it, read the report
+    "search_twice": 0.10,       # search, search again in other words, read the report
+    "list_search_cat": 0.10,    # list the top, search, read the report
+}
 
 
 async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: int, per_row: int = 1,
@@ -35,31 +51,12 @@ async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: 
     for index, row in enumerate(rows):
         for copy in range(per_row):
             rng = random.Random(f"agent-rft/traces/{seed}/{index}/{copy}")
-            messages: list[dict[str, Any]] = list(row["messages"])
-            for number, (name, arguments) in enumerate(browsing_plan(row, rng, cat_limit), start=1):
-                await _call(client, messages, row, f"t{index}-{copy}", f"call_{number}", name, arguments)
-            messages.append({"role": "assistant", "content": answer_text(row)})
-            traces.append({"messages": messages, "tools": TOOL_SCHEMAS})
+            strategy = rng.choices(list(STRATEGIES), weights=list(STRATEGIES.values()))[0]
+            trace = _Trace(client, row, f"t{index}-{copy}", cat_limit)
+            await STRATEGY_STEPS[strategy](trace, rng)
+            trace.messages.append({"role": "assistant", "content": answer_text(row)})
+            traces.append({"messages": trace.messages, "tools": TOOL_SCHEMAS})
     return traces
-
-
-def browsing_plan(row: dict[str, Any], rng: random.Random,
-                  cat_limit: int = CAT_LIMIT) -> list[tuple[str, dict[str, Any]]]:
-    """The calls of one trace: optional lists, a search, optional reads, in that order."""
-    company_dir, year = row["document"].split("/")[0], row["year"]
-    item = row["messages"][-1]["content"].split("'s ", 1)[1].split(" in ")[0]
-    plan: list[tuple[str, dict[str, Any]]] = []
-    if rng.random() < LIST_TOP:
-        plan.append(("list", {"path": ""}))
-    if rng.random() < LIST_COMPANY:
-        plan.append(("list", {"path": company_dir}))
-    plan.append(("search", {"query": f"{row['company']} {item} {year}"}))
-    if rng.random() < READ_OTHER_YEAR_FIRST:
-        other = str(int(year) - 1) if year.endswith("3") else str(int(year) + 1)
-        plan.append(("cat", {"path": row["document"].replace(f"/{year}/", f"/{other}/"), "limit": cat_limit}))
-    if rng.random() < READ_REPORT or len(plan) == 1:
-        plan.append(("cat", {"path": row["document"], "limit": cat_limit}))
-    return plan
 
 
 def answer_text(row: dict[str, Any]) -> str:
@@ -68,12 +65,120 @@ def answer_text(row: dict[str, Any]) -> str:
     return f"{subject} was ${row['answer']} {row['scale']}."
 
 
-async def _call(client: Any, messages: list[dict[str, Any]], row: dict[str, Any], trace_id: str, call_id: str,
-                name: str, arguments: dict[str, Any]) -> None:
-    """One assistant turn calling `name`, and the tool's real output as the next message."""
-    arguments_json = json.dumps(arguments)
-    messages.append({"role": "assistant", "content": None, "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json}}]})
-    result = await client.call(trace_id=trace_id, call_id=call_id, name=name, arguments_json=arguments_json,
-                               item={k: v for k, v in row.items() if k != "messages"})
-    messages.append({"role": "tool", "tool_call_id": call_id, "content": result.output})
+class _Trace:
+    """One question's conversation, grown a tool call and its real result at a time."""
+
+    def __init__(self, client: Any, row: dict[str, Any], trace_id: str, cat_limit: int) -> None:
+        self.client, self.row, self.trace_id, self.cat_limit = client, row, trace_id, cat_limit
+        self.messages: list[dict[str, Any]] = list(row["messages"])
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One assistant turn calling `name`, and the tool's real output as the next message."""
+        call_id = f"call_{sum(1 for m in self.messages if m.get('tool_calls')) + 1}"
+        arguments_json = json.dumps(arguments)
+        self.messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json}}]})
+        result = await self.client.call(trace_id=self.trace_id, call_id=call_id, name=name,
+                                        arguments_json=arguments_json,
+                                        item={k: v for k, v in self.row.items() if k != "messages"})
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": result.output})
+        return result.output
+
+    async def search(self, *, reworded: bool = False) -> list[str]:
+        """Search for the question's company, line item and year; the hits' paths, best first."""
+        item = self.row["messages"][-1]["content"].split("'s ", 1)[1].split(" in ")[0]
+        query = (f"{self.row['year']} annual report of {self.row['company']}" if reworded
+                 else f"{self.row['company']} {item} {self.row['year']}")
+        output = await self.call("search", {"query": query})
+        return re.findall(r"^(\S+\.md) — ", output, flags=re.MULTILINE)
+
+    async def cat(self, path: str) -> str:
+        return await self.call("cat", {"path": path, "limit": self.cat_limit})
+
+    async def list(self, path: str) -> list[str]:
+        """The listing's entries (folders end in '/')."""
+        output = await self.call("list", {"path": path})
+        return output.splitlines()[1:]
+
+    async def browse_to_report(self, top: list[str] | None = None) -> None:
+        """List down the tree to the report, each step's path picked from the listing before it."""
+        company, year = self.row["document"].split("/")[:2]
+        top = top if top is not None else await self.list("")
+        folder = _entry(top, company + "/")
+        years = await self.list(folder.rstrip("/"))
+        files = await self.list(f"{folder}{_entry(years, year + '/')}".rstrip("/"))
+        await self.cat(f"{folder}{_entry(years, year + '/')}{_entry(files, self.row['document'].rsplit('/', 1)[1])}")
+
+    async def read_report(self, hits: list[str]) -> None:
+        """Read the question's report: from the search hits when it is among them, else by listing."""
+        if self.row["document"] in hits:
+            await self.cat(self.row["document"])
+        else:
+            await self.browse_to_report()
+
+    def other_year_hit(self, hits: list[str]) -> str | None:
+        company = self.row["document"].split("/")[0]
+        return next((h for h in hits if h.startswith(company + "/") and h != self.row["document"]), None)
+
+
+def _entry(listing: list[str], wanted: str) -> str:
+    """The listing's line for `wanted`: a path is only ever taken from what a tool printed."""
+    if wanted not in listing:
+        raise LookupError(f"{wanted!r} is not in the listing {listing}")
+    return wanted
+
+
+async def _search(trace: _Trace, rng: random.Random) -> None:
+    await trace.search()
+
+
+async def _search_cat(trace: _Trace, rng: random.Random) -> None:
+    await trace.read_report(await trace.search())
+
+
+async def _search_wrong_cat(trace: _Trace, rng: random.Random) -> None:
+    hits = await trace.search()
+    wrong = trace.other_year_hit(hits) or next((h for h in hits if h != trace.row["document"]), None)
+    if wrong is not None:
+        await trace.cat(wrong)
+    await trace.read_report(hits)
+
+
+async def _search_browse(trace: _Trace, rng: random.Random) -> None:
+    """From a hit's path down to the report: its company folder, the year's folder, the file."""
+    hits = await trace.search()
+    company, year, name = trace.row["document"].split("/")
+    hit = next((h for h in hits if h.startswith(company + "/")), None)
+    if hit is None:
+        await trace.browse_to_report()
+        return
+    years = await trace.list(hit.split("/")[0])
+    files = await trace.list(f"{company}/{_entry(years, year + '/')}".rstrip("/"))
+    await trace.cat(f"{company}/{year}/{_entry(files, name)}")
+
+
+async def _search_recover(trace: _Trace, rng: random.Random) -> None:
+    hits = await trace.search()
+    if trace.row["document"] not in hits:
+        await trace.browse_to_report()
+        return
+    folder, name = trace.row["document"].rsplit("/", 1)
+    await trace.cat(folder)  # a folder, not a report: the server answers with an error
+    files = await trace.list(folder)
+    await trace.cat(f"{folder}/{_entry(files, name)}")
+
+
+async def _search_twice(trace: _Trace, rng: random.Random) -> None:
+    await trace.search()
+    await trace.read_report(await trace.search(reworded=True))
+
+
+async def _list_search_cat(trace: _Trace, rng: random.Random) -> None:
+    await trace.list("")
+    await trace.read_report(await trace.search())
+
+
+STRATEGY_STEPS = {"search": _search, "search_cat": _search_cat, "search_wrong_cat": _search_wrong_cat,
+                  "search_browse": _search_browse, "search_recover": _search_recover, "search_twice": _search_twice,
+                  "list_search_cat": _list_search_cat}
+assert set(STRATEGY_STEPS) == set(STRATEGIES)

@@ -38,24 +38,31 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[d
 def test_traces_browse_the_real_tool_server_and_end_with_the_right_figure(traces: tuple[list[dict], list[dict]]):
     rows, written = traces
     assert len(written) == 2 * len(rows)
-    calls_per_trace = []
+    calls_per_trace, recoveries = [], 0
     for row, trace in zip([r for r in rows for _ in range(2)], written):
         check_supervised_row(trace)  # what a supervised job's file accepts
         messages = trace["messages"]
         assert messages[:2] == row["messages"]
         calls = [json.loads(m["tool_calls"][0]["function"]["arguments"]) | {"tool": m["tool_calls"][0]["function"]["name"]}
                  for m in messages if m.get("tool_calls")]
-        calls_per_trace.append(len(calls))
         outputs = [m["content"] for m in messages if m["role"] == "tool"]
-        search = outputs[[c["tool"] for c in calls].index("search")]
-        assert row["document"] in search  # the real index found the report the question is about
-        for call, output in zip(calls, outputs):
+        calls_per_trace.append(len(calls))
+        for number, (call, output) in enumerate(zip(calls, outputs)):
+            if call.get("path"):  # every path was printed by an earlier tool: read, never guessed
+                folder, _, name = call["path"].rpartition("/")
+                assert any(name in earlier and (not folder or folder.split("/")[0] in earlier)
+                           for earlier in outputs[:number]), (call, outputs[:number])
             if call["tool"] == "cat" and call["path"] == row["document"]:
                 assert output.startswith("# ") and row["company"] in output  # the report itself, its opening
+            if output.startswith("error"):  # a mistake is followed by something else, never repeated
+                recoveries += 1
+                assert calls[number + 1] != call
+        assert calls[-1]["tool"] == "search" or calls[-1]["path"] == row["document"]  # the answer's source was read
         assert messages[-1] == {"role": "assistant", "content": messages[-1]["content"]}
         assert row["answer"] in messages[-1]["content"]
     assert min(calls_per_trace) >= 1 and max(calls_per_trace) >= 4
     assert len(set(calls_per_trace)) >= 3  # lengths vary: reinforcement has a spread to learn from
+    assert recoveries >= 1
 
 
 def test_a_trace_trains_on_its_calls_and_answer_as_a_rollout_writes_them(traces: tuple[list[dict], list[dict]]):

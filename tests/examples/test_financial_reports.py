@@ -267,7 +267,7 @@ def test_grader_scores_the_answer_and_the_number_of_calls(tool_url: str) -> None
             return httpx.post(f"http://127.0.0.1:{port}/grade", json=body).json()
 
         assert grade("Revenue was $1,234.5 million.", "trace_none") == {
-            "score": 1.0, "details": {"correct": True, "tool_calls": 0, "efficiency": 1.0}}
+            "score": 1.0, "details": {"correct": True, "tool_calls": 0, "tokens": 0, "efficiency": 1.0}}
         assert grade("1,234.5", "trace_two")["score"] == 1.0  # two calls are free
         six = grade("about 1.2345 billion", "trace_six")
         assert six["score"] == pytest.approx(0.8) and six["details"]["tool_calls"] == 6
@@ -278,6 +278,26 @@ def test_grader_scores_the_answer_and_the_number_of_calls(tool_url: str) -> None
 
 
 def test_grader_efficiency_is_floored_at_half() -> None:
-    from examples.financial_reports.grader_server import efficiency
+    from examples.financial_reports.grader_server import Charges
 
-    assert [efficiency(n) for n in (0, 2, 3, 12, 100)] == [1.0, 1.0, 0.95, 0.5, 0.5]
+    assert [Charges().efficiency(n) for n in (0, 2, 3, 12, 100)] == [1.0, 1.0, 0.95, 0.5, 0.5]
+
+
+def test_the_demo_grader_charges_every_call_after_the_first_and_every_token(tool_url: str) -> None:
+    from examples.financial_reports.grader_server import Charges
+
+    for path in ("", "acme-systems", "acme-systems/2023", "acme-systems/2022"):
+        _call(tool_url, "list", {"path": path}, trace_id="trace_four")
+    _call(tool_url, "search", {"query": "revenue"}, trace_id="trace_one")
+    charges = Charges(free_calls=1, call_penalty=0.1, token_penalty=0.25, floor=0.2)
+    with serve_app(create_grader_app(tool_url, charges=charges)) as port:
+        def grade(trace_id: str, completion: int, tool_output: int) -> dict:
+            body = {"sample": {"output_text": "$1,234.5 million",
+                               "usage": {"completion_tokens": completion, "tool_output_tokens": tool_output}},
+                    "item": {"answer": "1234.5", "scale": "million"}, "trace_id": trace_id}
+            return httpx.post(f"http://127.0.0.1:{port}/grade", json=body).json()
+
+        short, long = grade("trace_one", 60, 140), grade("trace_four", 160, 440)
+        assert short["score"] == pytest.approx(1 - 0.25 * 0.2) and short["details"]["tokens"] == 200
+        assert long["score"] == pytest.approx(1 - 0.1 * 3 - 0.25 * 0.6)  # 3 charged calls, 600 tokens
+        assert grade("trace_four", 4000, 8000)["score"] == pytest.approx(0.2)  # a right answer keeps the floor
