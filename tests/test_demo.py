@@ -66,7 +66,7 @@ def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
     report = json.loads((workdir / "demo-report.json").read_text())
     assert report["outcome"] == "succeeded" and report["failed_stage"] is None
     # The starting agent is a supervised job on the traces; the reinforcement job starts from its ft: model.
-    assert report["traces"]["rows"] == report["data"]["train_questions"] and report["traces"]["calls_per_trace"] >= 1
+    assert report["traces"]["rows"] == report["data"]["trace_questions"] and report["traces"]["calls_per_trace"] >= 1
     starting, rft = report["starting_agent"], report["rft"]
     assert starting["status"] == "succeeded" and starting["fine_tuned_model"].startswith("ft:tiny-smollm2")
     assert rft["status"] == "succeeded" and rft["model"] == starting["fine_tuned_model"]

@@ -53,7 +53,7 @@ def demo_settings() -> dict[str, Any]:
         "model": DEMO.model,
         "dtype": dtype(DEMO),
         "task": {"corpus_seed": DEMO.seed, "companies": DEMO.companies, "years": list(DEMO.years),
-                 "held_out_companies": DEMO.held_out_companies},
+                 "held_out_companies": DEMO.held_out_companies, "rft_companies": DEMO.rft_companies},
         "system_prompt": DEMO.system_prompt,
         "grader": CORRECT_ANSWER,  # what the evaluations count as correct
         "charges": asdict(DEMO.charges),  # the reinforcement job's grader server
@@ -280,8 +280,10 @@ async def reinforce(settings: dict[str, Any], loaded: Any, client: Any, grader_u
 async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, train_rows: list[dict],
                          held_out: list[dict], seed: int, work_dir: Path) -> dict[str, Any]:
     """The demo's story for one seed: the base model, the starting agent (supervised on browsing
-    traces), then reinforcement fine-tuning of it, each evaluated on the held-out companies with
-    the same rollout seeds."""
+    traces of some training companies), then reinforcement fine-tuning of it (on the questions
+    about the other training companies), each evaluated on the held-out companies with the same
+    rollout seeds."""
+    from examples.financial_reports.demo_task import split_by_company
     from examples.financial_reports.traces import browsing_traces
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
@@ -290,7 +292,8 @@ async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, t
     k = settings["eval"]["rollouts_per_question"]
     evaluations, samples = {}, {}
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
-        traces = await browsing_traces(train_rows, client, seed=seed, per_row=settings["traces"]["per_question"],
+        trace_rows, rft_rows = split_by_company(train_rows, settings["task"]["rft_companies"])
+        traces = await browsing_traces(trace_rows, client, seed=seed, per_row=settings["traces"]["per_question"],
                                        cat_limit=settings["traces"]["cat_limit"])
 
         async def evaluate(stage: str) -> None:
@@ -301,7 +304,7 @@ async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, t
         await evaluate("base")
         supervised = await starting_agent(settings, loaded, traces, seed, work_dir / "supervised")
         await evaluate("starting_agent")
-        reinforcement = await reinforce(settings, loaded, client, grader_url, port, train_rows, held_out, seed,
+        reinforcement = await reinforce(settings, loaded, client, grader_url, port, rft_rows, held_out, seed,
                                         work_dir / "reinforcement")
         await evaluate("after_rft")
     calls = [sum(1 for m in t["messages"] if m.get("tool_calls")) for t in traces]

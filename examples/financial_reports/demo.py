@@ -224,16 +224,20 @@ def make_data(demo: Demo) -> dict[str, Path]:
         data, seed=cfg.seed, companies=cfg.companies, years=cfg.years, held_out_companies=cfg.held_out_companies,
         system_prompt=cfg.system_prompt)
     held_out = held_out[: cfg.held_out_rows]
-    rft_train, n_epochs = size_training(train, cfg.steps, cfg.hyperparameters["batch_size"])
-    paths = {"corpus": corpus, "questions": data / "train-questions.jsonl", "train": data / "rft-train.jsonl",
+    trace_rows, rft_rows = demo_task.split_by_company(train, cfg.rft_companies)
+    rft_train, n_epochs = size_training(rft_rows, cfg.steps, cfg.hyperparameters["batch_size"])
+    paths = {"corpus": corpus, "questions": data / "trace-questions.jsonl", "train": data / "rft-train.jsonl",
              "held_out": data / "held-out.jsonl", "traces": data / "sft-traces.jsonl"}
-    write_jsonl(paths["questions"], train)
+    write_jsonl(paths["questions"], trace_rows)
     write_jsonl(paths["train"], rft_train)
     write_jsonl(paths["held_out"], held_out)
-    demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "train_questions": len(train),
+    demo.report["data"] = {"documents": sum(1 for _ in corpus.rglob("*.md")), "trace_questions": len(trace_rows),
                            "rft_rows": len(rft_train), "held_out_rows": len(held_out), "n_epochs": n_epochs}
-    print(f"{demo.report['data']['documents']} reports of {cfg.companies} companies; {len(train)} training questions, "
-          f"{len(held_out)} held-out questions about {cfg.held_out_companies} other companies, in {data}")
+    companies = cfg.companies - cfg.held_out_companies
+    print(f"{demo.report['data']['documents']} reports of {cfg.companies} companies: {len(trace_rows)} questions about "
+          f"{companies - cfg.rft_companies} companies for the starting agent's traces, {len(rft_rows)} about "
+          f"{cfg.rft_companies} others for reinforcement, {len(held_out)} held-out questions about "
+          f"{cfg.held_out_companies} more, in {data}")
     return paths
 
 

@@ -41,15 +41,20 @@ class DemoConfig:
     years: tuple[int, ...] = (2022, 2023)
     held_out_companies: int = 6  # their questions are never trained on: evaluated at every stage
     held_out_rows: int = 24  # how many held-out questions the evaluations ask
+    # The training companies are split: the starting agent's traces are about some, the
+    # reinforcement job's questions about the others (the last `rft_companies`). On the same
+    # questions, reinforcement rewarded answering from memory what the traces had taught (seed 0:
+    # one call per rollout, 29 % -> 8 % correct on held-out companies).
+    rft_companies: int = 5
     system_prompt: str = BROWSING_PROMPT
     tool_budget: int = 10  # tool calls per rollout (max_episode_steps), as in Agent RFT's demo
 
     # --- stage 1, the starting agent: a supervised job on browsing traces ---
     traces_per_question: int = 1
     cat_limit: int = CAT_LIMIT  # characters a trace's `cat` reads
-    # Batches of 2: twenty optimizer steps over the 40 traces (at 8, five steps left the agent
-    # writing half-formed calls; the cost is the same, it is per token).
-    sft_hyperparameters: dict[str, Any] = field(default_factory=lambda: {"batch_size": 2, "n_epochs": 1})
+    # Batches of 1: twenty optimizer steps over the 20 traces (five steps of 8 left the agent
+    # writing half-formed calls; the cost is per token, not per step).
+    sft_hyperparameters: dict[str, Any] = field(default_factory=lambda: {"batch_size": 1, "n_epochs": 1})
     sft_x_open_model: dict[str, Any] = field(default_factory=lambda: {
         "training_mode": "lora", "lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-3, "max_seq_tokens": 1024})
 
@@ -96,8 +101,9 @@ def dtype(cfg: DemoConfig) -> str:
 DEMO = DemoConfig()
 
 QUICK = replace(
-    DEMO, model="tiny-smollm2", companies=3, years=(2022, 2023), held_out_companies=1, held_out_rows=2, tool_budget=2,
-    sft_hyperparameters={"batch_size": 8, "n_epochs": 1},
+    DEMO, model="tiny-smollm2", companies=3, years=(2022, 2023), held_out_companies=1, held_out_rows=2,
+    rft_companies=1, tool_budget=2,
+    sft_hyperparameters={"batch_size": 4, "n_epochs": 1},
     sft_x_open_model={"lora_rank": 4, "learning_rate": 1e-3, "max_seq_tokens": 512}, steps=1,
     hyperparameters={"batch_size": 2, "compute_multiplier": 0.5, "eval_interval": 100, "eval_samples": 2},
     x_open_model={"max_tokens_per_turn": 12, "max_tokens_per_rollout": 24, "temperature": 1.0},
