@@ -56,7 +56,8 @@ def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
                             text=True, timeout=300, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    for line in ("browsing traces", "supervised job", "reinforcement job", "correct answers", "tool calls per rollout",
+    for line in ("browsing traces", "supervised job", "train loss", "reinforcement job", "train reward",
+                 "correct answers", "tool calls per rollout",
                  "tokens per rollout", "seconds per rollout", "answered within budget", "/dashboard/jobs/",
                  "client.chat.completions.create(", "agent-rft inference", "demo succeeded"):
         assert line in result.stdout, output[-4000:]
