@@ -335,12 +335,33 @@ def table(runs: list[dict[str, Any]]) -> str:
     for key in ROWS:
         cells = [spread([r[stage][key] for r in runs]) for stage in STAGES]
         start, end = cells[1][0], cells[2][0]
-        change = (f"{end - start:+.0%} pts" if key in ("correct", "within_budget", "answered_rate")
+        change = (f"{100 * (end - start):+.0f} pts" if key in ("correct", "within_budget", "answered_rate")
                   else f"{(end - start) / start:+.0%}" if start else "-")
         lines.append(f"| {key} | " + " | ".join(f"{m:.3f} ± {h:.3f}" for m, h in cells) + f" | {change} |")
     for stage in ("supervised", "reinforcement"):
         t = spread([r[stage]["seconds"] for r in runs])
         lines.append(f"| {stage} training time (s) | | {t[0]:.0f} ± {t[1]:.0f} | | |")
+    return "\n".join(lines)
+
+
+# Issue 33's targets, after RFT against the starting agent: relative changes, and points of correct answers.
+TARGETS = (("tool calls per rollout", "tool_calls_per_rollout", -0.50), ("tokens per rollout", "tokens_per_rollout", -0.35),
+           ("seconds per rollout", "seconds_per_rollout", -0.20))
+CORRECT_TARGET_POINTS = 10
+
+
+def targets_table(runs: list[dict[str, Any]]) -> str:
+    """Each target, each seed's change from the starting agent to after RFT, and whether every seed met it."""
+    seeds = " | ".join(f"seed {r['seed']}" for r in runs)
+    lines = [f"| after RFT vs the starting agent | target | {seeds} | met |", "|---|---|" + "---|" * len(runs) + "---|"]
+    for name, key, target in TARGETS:
+        changes = [(r["after_rft"][key] - r["starting_agent"][key]) / r["starting_agent"][key] for r in runs]
+        cells = " | ".join(f"{c:+.0%}" for c in changes)
+        lines.append(f"| {name} | {target:+.0%} or less | {cells} | {'yes' if all(c <= target for c in changes) else 'no'} |")
+    points = [100 * (r["after_rft"]["correct"] - r["starting_agent"]["correct"]) for r in runs]
+    cells = " | ".join(f"{p:+.0f} pts" for p in points)
+    met = "yes" if all(p >= CORRECT_TARGET_POINTS for p in points) else "no"
+    lines.append(f"| correct answers | +{CORRECT_TARGET_POINTS} pts or more | {cells} | {met} |")
     return "\n".join(lines)
 
 
@@ -449,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
             out = merged_runs(settings, runs)
             print(out["table"])
             print(out["per_seed"])
+            print(out["targets"])
     if args.command == "signal":
         save("signal", out)
     print(f"wrote {RESULTS}")
@@ -462,7 +484,7 @@ def merged_runs(settings: dict[str, Any], runs: list[dict[str, Any]]) -> dict[st
     kept.update({r["seed"]: r for r in runs})
     merged = [kept[seed] for seed in sorted(kept)]
     return {"runs": merged, "seeds": sorted(kept), "settings": settings, "table": table(merged),
-            "per_seed": per_seed_table(merged)}
+            "per_seed": per_seed_table(merged), "targets": targets_table(merged)}
 
 
 def load() -> dict[str, Any]:
