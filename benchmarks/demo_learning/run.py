@@ -130,9 +130,7 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
     records = await engine.run(specs)
     graded = await grade_rollouts(grader(settings), GraderContext(), records, [s.item for s in specs])
     return [{"row": s.sample_index, "reward": g.reward or 0.0, **sub_rewards(g), "record": g.record,
-             "tool_calls": len(g.record.tool_calls),
-             "tools": [call.name for call in g.record.tool_calls], "tool_output_tokens": g.record.tool_output_tokens,
-             "tokens": g.record.completion_tokens, "seconds": g.record.wall_time_s,
+             "tool_calls": len(g.record.tool_calls), "tools": [call.name for call in g.record.tool_calls],
              "finish": g.record.finish_reason, "answer": g.record.final_answer, "messages": g.record.messages}
             for s, g in zip(specs, graded)]
 
@@ -284,7 +282,7 @@ async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, t
     about the other training companies), each evaluated on the held-out companies with the same
     rollout seeds."""
     from examples.financial_reports.demo_task import split_by_company
-    from examples.financial_reports.traces import browsing_traces
+    from examples.financial_reports.traces import browsing_traces, tool_calls_of
     from workers.rl.models import load_model
     from workers.rl.tools_client import ToolClient
 
@@ -307,7 +305,7 @@ async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, t
         reinforcement = await reinforce(settings, loaded, client, grader_url, port, rft_rows, held_out, seed,
                                         work_dir / "reinforcement")
         await evaluate("after_rft")
-    calls = [sum(1 for m in t["messages"] if m.get("tool_calls")) for t in traces]
+    calls = [tool_calls_of(trace) for trace in traces]
     return {"seed": seed, **evaluations, "traces": len(traces), "trace_calls_mean": mean(calls),
             "supervised": supervised, "reinforcement": reinforcement, "samples": samples}
 

@@ -262,7 +262,7 @@ def start_services(demo: Demo, corpus: Path) -> None:
         ("tools", python_argv("-m", "examples.financial_reports.server", "--corpus", str(corpus),
                               "--port", str(demo.ports["tools"])), f"{tools}/healthz"),
         ("grader", python_argv("-m", "examples.financial_reports.grader_server", "--tool-server", tools,
-                               "--port", str(demo.ports["grader"]), *charge_flags(cfg)), f"{grader}/healthz"),
+                               "--port", str(demo.ports["grader"]), *cfg.charges.flags()), f"{grader}/healthz"),
     ]
     for name, argv, _ in services:
         children.start(name, argv)
@@ -272,12 +272,6 @@ def start_services(demo: Demo, corpus: Path) -> None:
         print(f"{name:9} ready at {demo.url(name)}  (log: {children.running[name].log})")
     wait_until(lambda: "ready" in worker.tail(100_000), "the worker", cfg.startup_timeout_s, children)
     print(f"worker    ready  (log: {worker.log})")
-
-
-def charge_flags(cfg: DemoConfig) -> list[str]:
-    c = cfg.charges
-    return ["--free-calls", str(c.free_calls), "--call-penalty", str(c.call_penalty),
-            "--token-penalty", str(c.token_penalty), "--floor", str(c.floor)]
 
 
 def create_project(workdir: Path) -> str:
@@ -312,7 +306,7 @@ def write_traces(demo: Demo, paths: dict[str, Path]) -> None:
     import asyncio
 
     from examples.financial_reports.corpus import write_jsonl
-    from examples.financial_reports.traces import browsing_traces
+    from examples.financial_reports.traces import browsing_traces, tool_calls_of
     from workers.rl.tools_client import ToolClient
 
     cfg = demo.config
@@ -325,7 +319,7 @@ def write_traces(demo: Demo, paths: dict[str, Path]) -> None:
 
     written = asyncio.run(traces())
     write_jsonl(paths["traces"], written)
-    calls = [sum(1 for m in t["messages"] if m.get("tool_calls")) for t in written]
+    calls = [tool_calls_of(trace) for trace in written]
     demo.report["traces"] = {"rows": len(written), "calls_per_trace": sum(calls) / len(calls)}
     print(f"{len(written)} browsing traces, {min(calls)} to {max(calls)} tool calls each "
           f"({sum(calls) / len(calls):.1f} on average), in {paths['traces']}")

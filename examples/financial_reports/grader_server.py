@@ -69,6 +69,11 @@ class Charges:
     token_penalty: float = 0.0  # per 1,000 tokens written and read
     floor: float = 0.5
 
+    def flags(self) -> list[str]:
+        """These charges as the command line's flags (main)."""
+        return ["--free-calls", str(self.free_calls), "--call-penalty", str(self.call_penalty),
+                "--token-penalty", str(self.token_penalty), "--floor", str(self.floor)]
+
     def efficiency(self, calls: int, tokens: int = 0) -> float:
         cost = self.call_penalty * max(0, calls - self.free_calls) + self.token_penalty * tokens / 1000
         return max(self.floor, 1.0 - cost)
@@ -81,8 +86,8 @@ def rollout_tokens(usage: dict[str, Any]) -> int:
 def create_grader_app(tool_server_url: str | None, *, token: str | None = None,
                       tool_server_token: str | None = None, charges: Charges = Charges(), rel_tol: float = 0.01,
                       timeout_s: float = 10.0) -> FastAPI:
-    """`tool_server_url` is the tool server's base URL (its `/traces/{id}` is read); None: no
-    efficiency term. With `token`, requests need `Authorization: Bearer <token>`;
+    """`tool_server_url` is the tool server's base URL (its `/traces/{id}` is read); None: the calls
+    are not charged (the tokens still are). With `token`, requests need `Authorization: Bearer <token>`;
     `tool_server_token` is sent to the tool server."""
     app = FastAPI(title="financial-reports grader")
     base = tool_server_url.rstrip("/").removesuffix("/tools") if tool_server_url else None

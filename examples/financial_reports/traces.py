@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from examples.financial_reports.server import TOOL_SCHEMAS
@@ -29,17 +29,6 @@ BROWSING_PROMPT = (
     '<tool_call>{"name": "search", "arguments": {"query": "Acme Foods revenue 2023"}}</tool_call>, '
     "then answer in one sentence.")
 CAT_LIMIT = 360  # characters a trace's `cat` reads: a report's title and opening paragraph, which quotes its figures
-# Strategies and how often the scripted policy takes each. Every one searches first: a small model
-# copies a path from a search hit far more reliably than it finds a company's folder in a listing.
-STRATEGIES: dict[str, float] = {
-    "search": 0.10,             # search, answer
-    "search_cat": 0.20,         # search, read the report, answer
-    "search_wrong_cat": 0.20,   # search, read the other year's report first, then the right one
-    "search_browse": 0.15,      # search, list the company's folder and the year's, read the report
-    "search_recover": 0.15,     # search, cat the report's folder (an error), list it, read the report
-    "search_twice": 0.10,       # search, search again in other words, read the report
-    "list_search_cat": 0.10,    # list the top, search, read the report
-}
 
 
 async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: int, per_row: int = 1,
@@ -51,12 +40,16 @@ async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: 
     for index, row in enumerate(rows):
         for copy in range(per_row):
             rng = random.Random(f"agent-rft/traces/{seed}/{index}/{copy}")
-            strategy = rng.choices(list(STRATEGIES), weights=list(STRATEGIES.values()))[0]
+            strategy = rng.choices(list(STRATEGIES), weights=[weight for weight, _ in STRATEGIES.values()])[0]
             trace = _Trace(client, row, f"t{index}-{copy}", cat_limit)
-            await STRATEGY_STEPS[strategy](trace, rng)
+            await STRATEGIES[strategy][1](trace)
             trace.messages.append({"role": "assistant", "content": answer_text(row)})
             traces.append({"messages": trace.messages, "tools": TOOL_SCHEMAS})
     return traces
+
+
+def tool_calls_of(trace: dict[str, Any]) -> int:
+    return sum(1 for message in trace["messages"] if message.get("tool_calls"))
 
 
 def answer_text(row: dict[str, Any]) -> str:
@@ -100,14 +93,18 @@ class _Trace:
         output = await self.call("list", {"path": path})
         return output.splitlines()[1:]
 
-    async def browse_to_report(self, top: list[str] | None = None) -> None:
-        """List down the tree to the report, each step's path picked from the listing before it."""
-        company, year = self.row["document"].split("/")[:2]
-        top = top if top is not None else await self.list("")
-        folder = _entry(top, company + "/")
-        years = await self.list(folder.rstrip("/"))
-        files = await self.list(f"{folder}{_entry(years, year + '/')}".rstrip("/"))
-        await self.cat(f"{folder}{_entry(years, year + '/')}{_entry(files, self.row['document'].rsplit('/', 1)[1])}")
+    async def browse_to_report(self) -> None:
+        """List the top of the tree, then down to the report."""
+        company = self.row["document"].split("/")[0]
+        await self.list_down(_entry(await self.list(""), company + "/").rstrip("/"))
+
+    async def list_down(self, company: str) -> None:
+        """From the company's folder (as a tool printed it) to the report: its years, the year's
+        files, the report; each path picked from the listing before it."""
+        _, year, name = self.row["document"].split("/")
+        years = await self.list(company)
+        files = await self.list(f"{company}/{_entry(years, year + '/')}".rstrip("/"))
+        await self.cat(f"{company}/{year}/{_entry(files, name)}")
 
     async def read_report(self, hits: list[str]) -> None:
         """Read the question's report: from the search hits when it is among them, else by listing."""
@@ -128,15 +125,15 @@ def _entry(listing: list[str], wanted: str) -> str:
     return wanted
 
 
-async def _search(trace: _Trace, rng: random.Random) -> None:
+async def _search(trace: _Trace) -> None:
     await trace.search()
 
 
-async def _search_cat(trace: _Trace, rng: random.Random) -> None:
+async def _search_cat(trace: _Trace) -> None:
     await trace.read_report(await trace.search())
 
 
-async def _search_wrong_cat(trace: _Trace, rng: random.Random) -> None:
+async def _search_wrong_cat(trace: _Trace) -> None:
     hits = await trace.search()
     wrong = trace.other_year_hit(hits) or next((h for h in hits if h != trace.row["document"]), None)
     if wrong is not None:
@@ -144,20 +141,18 @@ async def _search_wrong_cat(trace: _Trace, rng: random.Random) -> None:
     await trace.read_report(hits)
 
 
-async def _search_browse(trace: _Trace, rng: random.Random) -> None:
-    """From a hit's path down to the report: its company folder, the year's folder, the file."""
+async def _search_browse(trace: _Trace) -> None:
+    """From a hit's company folder down to the report."""
     hits = await trace.search()
-    company, year, name = trace.row["document"].split("/")
+    company = trace.row["document"].split("/")[0]
     hit = next((h for h in hits if h.startswith(company + "/")), None)
     if hit is None:
         await trace.browse_to_report()
-        return
-    years = await trace.list(hit.split("/")[0])
-    files = await trace.list(f"{company}/{_entry(years, year + '/')}".rstrip("/"))
-    await trace.cat(f"{company}/{year}/{_entry(files, name)}")
+    else:
+        await trace.list_down(hit.split("/")[0])
 
 
-async def _search_recover(trace: _Trace, rng: random.Random) -> None:
+async def _search_recover(trace: _Trace) -> None:
     hits = await trace.search()
     if trace.row["document"] not in hits:
         await trace.browse_to_report()
@@ -168,17 +163,24 @@ async def _search_recover(trace: _Trace, rng: random.Random) -> None:
     await trace.cat(f"{folder}/{_entry(files, name)}")
 
 
-async def _search_twice(trace: _Trace, rng: random.Random) -> None:
+async def _search_twice(trace: _Trace) -> None:
     await trace.search()
     await trace.read_report(await trace.search(reworded=True))
 
 
-async def _list_search_cat(trace: _Trace, rng: random.Random) -> None:
+async def _list_search_cat(trace: _Trace) -> None:
     await trace.list("")
     await trace.read_report(await trace.search())
 
 
-STRATEGY_STEPS = {"search": _search, "search_cat": _search_cat, "search_wrong_cat": _search_wrong_cat,
-                  "search_browse": _search_browse, "search_recover": _search_recover, "search_twice": _search_twice,
-                  "list_search_cat": _list_search_cat}
-assert set(STRATEGY_STEPS) == set(STRATEGIES)
+# Strategies and how often the scripted policy takes each. Every one searches first: a small model
+# copies a path from a search hit far more reliably than it finds a company's folder in a listing.
+STRATEGIES: dict[str, tuple[float, Callable[[_Trace], Awaitable[None]]]] = {
+    "search": (0.10, _search),                      # search, answer
+    "search_cat": (0.20, _search_cat),              # search, read the report, answer
+    "search_wrong_cat": (0.20, _search_wrong_cat),  # search, read the other year's report first, then the right one
+    "search_browse": (0.15, _search_browse),        # search, list the company's folder and the year's, read the report
+    "search_recover": (0.15, _search_recover),      # search, cat the report's folder (an error), list it, read the report
+    "search_twice": (0.10, _search_twice),          # search, search again in other words, read the report
+    "list_search_cat": (0.10, _list_search_cat),    # list the top, search, read the report
+}
