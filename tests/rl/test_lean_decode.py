@@ -4,20 +4,25 @@ it does not apply the model runs as it is; it is gone after the block."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.rl.test_sampling_weights import trained_policy
 from workers.rl import cpu_kernels, lean_decode
 from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import sampling_weights
+from workers.rl.models import native_bf16_cpu, sampling_weights
 
 # Rows of different lengths: left padding, so the step's attention has a mask.
 REQUESTS = [GenerationRequest(context_ids=list(range(100, 100 + n)), max_new_tokens=12, seed=i)
             for i, n in enumerate([5, 9, 17, 9])]
+# The lean step runs on the weights packed for oneDNN's bfloat16 kernels: without them, nothing is packed.
+needs_onednn_bf16 = pytest.mark.skipif(not native_bf16_cpu(), reason="no oneDNN bf16 on this CPU: nothing is packed")
 
 
 def outputs(policy) -> list[tuple[list[int], list[float]]]:  # noqa: ANN001
     return [(o.token_ids, o.logprobs) for o in generate_batch(policy, REQUESTS, pad_token_id=0, temperature=1.0)]
 
 
+@needs_onednn_bf16
 def test_lean_steps_sample_the_models_tokens_and_logprobs_bit_for_bit():
     assert cpu_kernels.load() is not None, "the CPU kernels build here (scripts/test.sh builds them)"
     loaded, policy = trained_policy("bfloat16")
@@ -65,6 +70,7 @@ def run_joining_and_leaving(policy) -> dict[int, tuple[list[int], list[float]]]:
     return {key: (out.token_ids, out.logprobs) for key, out in done.items()}
 
 
+@needs_onednn_bf16
 def test_lean_steps_follow_rows_joining_and_leaving_bit_for_bit():
     _, policy = trained_policy("bfloat16")
     with sampling_weights(policy):

@@ -955,7 +955,7 @@ SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def _packable_linear_layers(model: Any) -> list[Any]:
     import torch
 
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not native_bf16_cpu():
         return []
     return [module for module in model.modules()
             if type(module) is torch.nn.Linear and "forward" not in module.__dict__
