@@ -258,7 +258,8 @@ def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: st
            "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
            "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
            "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
-           "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls)}
+           "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls),
+           "AGENT_RFT_TRAINING_PROCESSES": str(settings.training_processes)}
     log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["worker", "--queues", queues, "--loglevel", "info"], env, log,
                            lambda: log.exists() and "ready" in log.read_text()) as proc:

@@ -44,7 +44,8 @@ def celery_worker(settings: Settings, api_url: str):  # noqa: ANN201
     return agent_rft_worker(settings, api_url, token="e2e-worker-token", queues=settings.training_queue)
 
 
-def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: dict | None = None, **hyper) -> str:  # noqa: ANN003
+def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: dict | None = None,
+               x_open_model: dict | None = None, **hyper) -> str:  # noqa: ANN003
     uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
     job = sdk.fine_tuning.jobs.create(
         model="tiny-smollm2", training_file=uploaded.id, seed=7,
@@ -55,7 +56,8 @@ def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: di
             "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 1,
                                 "eval_samples": 2, **hyper},
             "max_episode_steps": 2,
-            "x_open_model": {"lora_rank": 4, "max_tokens_per_turn": 12, "max_tokens_per_rollout": 24},
+            "x_open_model": {"lora_rank": 4, "max_tokens_per_turn": 12, "max_tokens_per_rollout": 24,
+                             **(x_open_model or {})},
         }},
     )
     return job.id

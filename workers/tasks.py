@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,24 +141,18 @@ class JobRun:
 
     async def _load_start(self, dtype: str, training_mode: str, hooks: ControlHooks) -> Any:
         """The weights training starts from: the base model, or the fine-tuned model the job names."""
-        from workers.rl.models import continue_from_adapter, load_model
+        from workers.rl.models import load_start
 
         start = self.job.start_from
-        if start is None:
-            return load_model(self.job.model, dtype=dtype)
-        if start.training_mode == "full":
-            loaded = load_model(start.checkpoint_path, dtype=dtype)
-            how = "its weights, trained in full"
-        else:
-            loaded = continue_from_adapter(load_model(start.base_model, dtype=dtype), start.checkpoint_path,
-                                           merge=training_mode == "full")
-            how = ("its LoRA adapter merged into the weights, trained in full" if training_mode == "full" else
-                   "its LoRA adapter, trained on (its rank and targets, not x_open_model's)")
-        await hooks.on_event("info", f"Starting from {self.job.model} ({start.base_model}): {how}.",
-                             {"start_from": start.model_dump()})
+        loaded, how = load_start(self.job.model, start, dtype=dtype, training_mode=training_mode)
+        if start is not None:
+            await hooks.on_event("info", f"Starting from {self.job.model} ({start.base_model}): {how}.",
+                                 {"start_from": start.model_dump()})
         return loaded
 
     async def _train_reinforcement(self) -> Any:
+        import torch
+
         from app.graders.service import grader_context
         from workers.rl.hyperparameters import resolve_hyperparameters
         from workers.rl.tools_client import ToolClient
@@ -185,18 +180,64 @@ class JobRun:
         sampler = await self._sampler(config, hooks)
         if isinstance(sampler, TrainingOutcome):
             return sampler
-        async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist) as tools:
-            trainer = Trainer(
-                loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
-                grader=reinforcement.grader, grader_ctx=grader_context(self.settings), tool_client=tools,
-                job_tools=reinforcement.tools, work_dir=self.work_dir, hooks=hooks,
-                resume_state=Path(job.resume_state) if job.resume_state else None, sampler=sampler,
-            )
-            try:
+        threads = torch.get_num_threads()  # rank 0 of several processes takes its share of the cores
+        processes = None
+        try:
+            async with ToolClient(reinforcement.tools, allowlist=self.settings.outbound_allowlist) as tools:
+                processes = await self._training_processes(config, loaded, train_rows, valid_rows, hooks)
+                trainer = Trainer(
+                    loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
+                    grader=reinforcement.grader, grader_ctx=grader_context(self.settings), tool_client=tools,
+                    job_tools=reinforcement.tools, work_dir=self.work_dir, hooks=hooks,
+                    resume_state=Path(job.resume_state) if job.resume_state else None, sampler=sampler,
+                    group=processes.group if processes else None,
+                )
                 return await trainer.run()
-            finally:
-                if sampler is not None:
-                    await sampler.release()
+        finally:
+            if processes is not None:
+                await asyncio.to_thread(processes.stop)
+            torch.set_num_threads(threads)
+            if sampler is not None:
+                await sampler.release()
+
+    async def _training_processes(self, config: Any, loaded: Any, train_rows: list[dict[str, Any]],
+                                  valid_rows: list[dict[str, Any]], hooks: ControlHooks) -> Any:
+        """The job's other training processes, started and joined (docs/scaling.md); None when it
+        trains in this process alone."""
+        import torch
+
+        from workers.distributed.group import Rendezvous
+        from workers.distributed.launch import TrainingProcesses, backend_for, free_port
+        from workers.rl.follower import FollowerJob, follow
+
+        reinforcement, limit = self.job.method.reinforcement, self.settings.training_processes
+        asked = reinforcement.x_open_model.training_processes or limit
+        on_gpu = loaded.device.type == "cuda"
+        n = min(asked, limit, torch.cuda.device_count() if on_gpu else limit)
+        if n < asked:
+            await hooks.on_event("warn", f"The job asks for {asked} training processes; this worker runs at most "
+                                         f"{n} (AGENT_RFT_TRAINING_PROCESSES={limit}"
+                                         f"{f', {torch.cuda.device_count()} GPUs' if on_gpu else ''}).",
+                                 {"asked": asked, "training_processes": n})
+        if n == 1:
+            return None
+        threads = None if on_gpu else max(1, len(os.sched_getaffinity(0)) // n)
+        if threads:
+            torch.set_num_threads(threads)  # this process is rank 0: its share of the cores
+        follower = FollowerJob(self.job.model, self.job.start_from, reinforcement.x_open_model.dtype, threads, config,
+                               train_rows, valid_rows, reinforcement.grader, reinforcement.tools,
+                               self.settings.outbound_allowlist, str(self.work_dir), self.job.resume_state)
+        rendezvous = Rendezvous(free_port(), n, self.settings.training_rank_timeout_s, backend_for(loaded.device.type))
+        processes = TrainingProcesses(rendezvous, follow, follower, self.work_dir)
+        try:
+            await asyncio.to_thread(processes.join_group)
+        except BaseException:
+            await asyncio.to_thread(processes.stop)
+            raise
+        await hooks.on_event("info", f"Training on {n} processes ({rendezvous.backend}); rank 0 reports, each rank "
+                                     "samples and trains a share of every step.",
+                             {"training_processes": n, "backend": rendezvous.backend})
+        return processes
 
     async def _sampler(self, config: Any, hooks: ControlHooks) -> Any:
         """The vLLM fleet where the job asks for it (x_open_model.sampler) or "auto" finds one for a

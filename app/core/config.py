@@ -129,6 +129,14 @@ class Settings(BaseSettings):
         512.0, ge=0,
         description="Memory (MB) a worker's rollouts may keep in attention caches between their turns (a kept cache spares the next turn its prefill); 0 keeps none.",
     )
+    training_processes: int = Field(
+        1, ge=1, le=64,
+        description="Training processes a reinforcement job uses on the worker's node (data-parallel, torch.distributed: NCCL on GPUs, one GPU per process; gloo on CPUs, the cores shared out); the most a job's `x_open_model.training_processes` may ask for. docs/scaling.md.",
+    )
+    training_rank_timeout_s: float = Field(
+        600.0, gt=0,
+        description="Longest a training process waits for the others within a step (and for all of them to start); past it, or when one dies, the job resumes from its last saved step.",
+    )
     secret_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Comma-separated Fernet keys that encrypt the secrets stored in the database (tool headers, webhook signing secrets), newest first: the first encrypts, every one decrypts. Required with PostgreSQL; unset with the embedded SQLite default: a key generated once into `<data_dir>/secret.key`. docs/security.md.",

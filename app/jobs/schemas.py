@@ -164,6 +164,11 @@ class OpenModelOptions(ModelOptions):
                             "servers (AGENT_RFT_VLLM_URLS; LoRA only). auto: vLLM where the worker has servers and "
                             "training_mode is lora, else the engine (docs/vllm.md).")
 
+    training_processes: int | None = Field(
+        None, ge=1, le=64, description="Data-parallel training processes for this job, at most the worker's "
+                                       "AGENT_RFT_TRAINING_PROCESSES (a larger number is lowered to it, with a "
+                                       "warning event). Default: the worker's setting (docs/scaling.md).")
+
     @model_validator(mode="after")
     def _vllm_samples_lora_only(self) -> "OpenModelOptions":
         if self.sampler == "vllm" and self.training_mode == "full":

@@ -761,6 +761,20 @@ def continue_from_adapter(loaded: LoadedModel, adapter_dir: str | os.PathLike[st
     return loaded
 
 
+def load_start(model: str, start_from: Any, *, dtype: str, training_mode: str) -> tuple[LoadedModel, str | None]:
+    """The weights a job starts from: the base `model`, or the fine-tuned model `start_from`
+    describes (a job's `StartFrom`: checkpoint_path, training_mode, base_model). Also says how it
+    continues (None for a base model)."""
+    if start_from is None:
+        return load_model(model, dtype=dtype), None
+    if start_from.training_mode == "full":
+        return load_model(start_from.checkpoint_path, dtype=dtype), "its weights, trained in full"
+    loaded = continue_from_adapter(load_model(start_from.base_model, dtype=dtype), start_from.checkpoint_path,
+                                   merge=training_mode == "full")
+    return loaded, ("its LoRA adapter merged into the weights, trained in full" if training_mode == "full" else
+                    "its LoRA adapter, trained on (its rank and targets, not x_open_model's)")
+
+
 def _module_of(loaded: LoadedModel | Any) -> Any:
     return loaded.model if isinstance(loaded, LoadedModel) else loaded
 

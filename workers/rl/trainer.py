@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from app.graders.core import GraderContext
+from workers.distributed.group import TrainingGroup, shares
 from workers.rl.data import fixed_subset, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
 from workers.rl.grading import GradedRollout, grade_rollouts, load_grader, mean_or_none, sub_reward_means
 from workers.rl.hyperparameters import TrainingConfig, total_steps_for
@@ -55,9 +56,10 @@ POLICY_DIR = "policy"  # the current LoRA adapter, for a sampler in another proc
 class Trainer(TrainingRun):
     def __init__(self, *, loaded: LoadedModel, config: TrainingConfig, train_rows: list[dict], valid_rows: list[dict],
                  grader: Any, grader_ctx: GraderContext, tool_client: Any, job_tools: list[dict], work_dir: Path,
-                 hooks: TrainingHooks, resume_state: Path | None = None, sampler: Sampler | None = None) -> None:
+                 hooks: TrainingHooks, resume_state: Path | None = None, sampler: Sampler | None = None,
+                 group: TrainingGroup | None = None) -> None:
         super().__init__(loaded=loaded, config=config, work_dir=work_dir, hooks=hooks, resume_state=resume_state,
-                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs))
+                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs), group=group)
         self.train_rows, self.valid_rows = train_rows, valid_rows
         self.grader, self.grader_ctx, self.tool_client = grader, grader_ctx, tool_client
         self.job_tools = job_tools
@@ -129,7 +131,7 @@ class Trainer(TrainingRun):
         rows, next_position = take_batch(self.progress.position, len(self.train_prompts), c.seed, c.batch_size)
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
                  for slot, row in enumerate(rows) for k in range(c.group_size)]
-        records = await self.engine.run(specs)
+        records = await self._rollouts(specs, c.group_size)
         clock.lap("sampling")
         sampling = SamplingCost.of(self.engine)  # before eval runs the engine again
         grader_load = GraderLoad.of(self.grader_ctx)
@@ -221,11 +223,38 @@ class Trainer(TrainingRun):
                               {"server": server, "failures": len(errors), "last_error": errors[-1]})
 
     def _update(self, sequences: list[TrainSequence]) -> UpdateStats:
-        """One optimizer step over every sequence (blocking)."""
+        """One optimizer step over every sequence (blocking); with several training processes, each
+        takes a share of about equal tokens and their gradients are summed."""
+        parts = shares(sequences, self.group.world_size, weight=lambda s: len(s.token_ids))
+        self.group.command("update_share", parts, len(sequences))
+        return self.update_share(parts, len(sequences))
+
+    def update_share(self, parts: list[list[TrainSequence]], n_sequences: int) -> UpdateStats:
+        """This process's part of the step (every rank runs it); the step's statistics on rank 0."""
         c = self.config
-        return policy_update(self.model, self.optimizer, sequences, settings=self.loss_settings,
-                             pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
-                             max_grad_norm=c.max_grad_norm, reference=self._reference_logprobs)
+        stats = policy_update(self.model, self.optimizer, parts[self.group.rank], settings=self.loss_settings,
+                              pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
+                              max_grad_norm=c.max_grad_norm, reference=self._reference_logprobs,
+                              n_sequences=n_sequences, sync_gradients=self.group.all_reduce_gradients)
+        gathered = self.group.gather(stats)
+        return UpdateStats.merged(gathered) if gathered and len(gathered) > 1 else stats
+
+    async def _rollouts(self, specs: list, group_size: int) -> list:
+        """The rollouts of `specs` in order. With several training processes and the in-process
+        engine, each samples a share of whole groups (advantages compare the rollouts of one
+        group); a sampler of its own (vLLM) samples them all."""
+        if self.group.world_size == 1 or self.engine.sampler.needs_adapter_files:
+            return await self.engine.run(specs)
+        groups = [specs[i:i + group_size] for i in range(0, len(specs), group_size)]
+        parts = [[spec for group in part for spec in group] for part in shares(groups, self.group.world_size)]
+        self.group.command("sample_share", parts)
+        return await self.sample_share(parts)
+
+    async def sample_share(self, parts: list[list]) -> list:
+        """This process's rollouts (every rank runs it); all of them, in order, on rank 0."""
+        records = await self.engine.run(parts[self.group.rank])
+        gathered = self.group.gather(records)
+        return [record for part in gathered for record in part] if gathered is not None else records
 
     def _reference_logprobs(self, batch: Collated) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
@@ -242,7 +271,7 @@ class Trainer(TrainingRun):
         """One rollout per eval prompt, with the same seeds at every eval."""
         specs = [spec_for(prompt, rollout_seed(self.config.seed, "eval", i))
                  for i, prompt in enumerate(self.eval_prompts)]
-        records = await self.engine.run(specs)
+        records = await self._rollouts(specs, 1)
         graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
         rewards = [g.reward for g in graded if g.reward is not None]
         return {"reward_mean": mean_or_none(rewards), "sub_rewards": sub_reward_means(graded),

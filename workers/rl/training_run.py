@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from workers.distributed.group import OneProcess, RankLost, TrainingGroup
 from workers.rl.models import LoadedModel, save_model_dir, training_mode
 from workers.rl.sampler import SamplerUnavailable
 from workers.rl.training_state import TrainingProgress, load_training_state, save_training_state
@@ -67,8 +68,9 @@ class TrainingRun:
     `_train_step`. `config` needs `training_mode` (how checkpoints are written)."""
 
     def __init__(self, *, loaded: LoadedModel, config: Any, work_dir: Path, hooks: TrainingHooks,
-                 resume_state: Path | None, total_steps: int) -> None:
+                 resume_state: Path | None, total_steps: int, group: TrainingGroup | None = None) -> None:
         self.loaded, self.config, self.hooks, self.resume_state = loaded, config, hooks, resume_state
+        self.group = group or OneProcess()  # the job's training processes; this one is rank 0
         self.work_dir = Path(work_dir)
         self.total_steps = total_steps
         self.progress = TrainingProgress()
@@ -126,6 +128,11 @@ class TrainingRun:
             return await self._run()
         except RunInterrupted:
             raise
+        except RankLost as lost:
+            await self._event("error", f"{lost} at step {self.progress.step + 1}; the job resumes from its last "
+                                       f"saved step ({self.progress.step}) on a new set of processes.",
+                              {"rank": lost.rank, "reason": lost.reason, "step": self.progress.step + 1})
+            raise RunInterrupted(str(lost)) from lost
         except StepFailure as failure:
             return await self._failed(failure.code, failure.message, failure.data)
         except SamplerUnavailable as exc:
@@ -140,6 +147,7 @@ class TrainingRun:
 
     async def _run(self) -> TrainingOutcome:
         await asyncio.to_thread(self._setup)
+        await asyncio.to_thread(self.group.broadcast_parameters, self.model)  # the same start on every rank
         await self._announce_start()
         await self._before_steps()
         while self.progress.step < self.total_steps:

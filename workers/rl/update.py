@@ -63,6 +63,21 @@ class UpdateStats:
     forward_s: float = 0.0
     backward_s: float = 0.0
 
+    @classmethod
+    def merged(cls, shares: Sequence[UpdateStats]) -> UpdateStats:
+        """The statistics of one data-parallel step from each process's: sums for the loss (each
+        share is already divided by the step's sequence count) and the tokens, token-weighted
+        means, the shared gradient norm, and the slowest process's times."""
+        tokens = sum(s.sampled_tokens for s in shares)
+
+        def mean(name: str) -> float | None:
+            parts = [(getattr(s, name), s.sampled_tokens) for s in shares if getattr(s, name) is not None]
+            weight = sum(n for _, n in parts)
+            return sum(v * n for v, n in parts) / weight if weight else None
+
+        return cls(sum(s.loss for s in shares), mean("kl"), shares[0].grad_norm, tokens, mean("logprob_mismatch"),
+                   mean("clip_fraction"), max(s.forward_s for s in shares), max(s.backward_s for s in shares))
+
 
 class UpdateAccumulator:
     """The statistics of one update, summed micro-batch by micro-batch, so that the update's
@@ -305,10 +320,15 @@ def train_sequences(graded: Sequence[GradedRollout], group_size: int, loss: str)
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence], *,
                   settings: LossSettings, pad_token_id: int, micro_batch_tokens: int, max_grad_norm: float,
-                  reference: ReferenceLogprobs) -> UpdateStats:
+                  reference: ReferenceLogprobs, n_sequences: int | None = None,
+                  sync_gradients: Callable[[list[torch.nn.Parameter]], None] | None = None) -> UpdateStats:
     """One optimizer step over every sequence, micro-batch by micro-batch, gradients accumulated
-    (blocking). `reference` gives the reference policy's log-probs of a batch, or None without KL."""
-    if not sequences:
+    (blocking). `reference` gives the reference policy's log-probs of a batch, or None without KL.
+    Data-parallel: `sequences` is this process's share of the step's `n_sequences`, and
+    `sync_gradients` sums the gradients over the processes before the step, so that every process
+    takes the step one process would take on all of them."""
+    n_sequences = len(sequences) if n_sequences is None else n_sequences
+    if not n_sequences:
         return UpdateStats()
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
@@ -319,13 +339,14 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequ
         with stats.timed("forward"):
             reference_logprobs = reference(batch)
             new_logprobs = token_logprobs(model, batch, settings.temperature)
-            loss, kl = micro_batch_loss(new_logprobs, batch, settings, len(sequences), reference_logprobs)
+            loss, kl = micro_batch_loss(new_logprobs, batch, settings, n_sequences, reference_logprobs)
         with stats.timed("backward"):
             loss.backward()
         stats.add(batch, new_logprobs, loss, kl)
+    if sync_gradients is not None:
+        sync_gradients(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()  # activations and gradients of this update's shapes
     return stats.result(float(grad_norm))
-

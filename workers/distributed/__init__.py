@@ -1,0 +1,1 @@
+"""One job on several processes: torch.distributed groups, their launch, and the followers' loop."""
