@@ -349,17 +349,29 @@ CORRECT_TARGET_POINTS = 10
 
 
 def targets_table(runs: list[dict[str, Any]]) -> str:
-    """Each target, each seed's change from the starting agent to after RFT, and whether every seed met it."""
+    """Each target: each seed's change from the starting agent to after RFT, the change of the
+    seeds' means, and whether every seed met it and whether the mean did."""
     seeds = " | ".join(f"seed {r['seed']}" for r in runs)
-    lines = [f"| after RFT vs the starting agent | target | {seeds} | met |", "|---|---|" + "---|" * len(runs) + "---|"]
+    lines = [f"| after RFT vs the starting agent | target | {seeds} | mean of the seeds | met by every seed | met by the mean |",
+             "|---|---|" + "---|" * len(runs) + "---|---|---|"]
+
+    def mean(stage: str, key: str) -> float:
+        return sum(r[stage][key] for r in runs) / len(runs)
+
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "no"
+
     for name, key, target in TARGETS:
         changes = [(r["after_rft"][key] - r["starting_agent"][key]) / r["starting_agent"][key] for r in runs]
+        overall = (mean("after_rft", key) - mean("starting_agent", key)) / mean("starting_agent", key)
         cells = " | ".join(f"{c:+.0%}" for c in changes)
-        lines.append(f"| {name} | {target:+.0%} or less | {cells} | {'yes' if all(c <= target for c in changes) else 'no'} |")
+        lines.append(f"| {name} | {target:+.0%} or less | {cells} | {overall:+.0%} | "
+                     f"{yes(all(c <= target for c in changes))} | {yes(overall <= target)} |")
     points = [100 * (r["after_rft"]["correct"] - r["starting_agent"]["correct"]) for r in runs]
+    overall = sum(points) / len(points)
     cells = " | ".join(f"{p:+.0f} pts" for p in points)
-    met = "yes" if all(p >= CORRECT_TARGET_POINTS for p in points) else "no"
-    lines.append(f"| correct answers | +{CORRECT_TARGET_POINTS} pts or more | {cells} | {met} |")
+    lines.append(f"| correct answers | +{CORRECT_TARGET_POINTS} pts or more | {cells} | {overall:+.0f} pts | "
+                 f"{yes(all(p >= CORRECT_TARGET_POINTS for p in points))} | {yes(overall >= CORRECT_TARGET_POINTS)} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ each configuration in a fresh process so that its memory is its own.
     .venv/bin/python -m benchmarks.training.processes --mode full
     .venv/bin/python -m benchmarks.training.processes --device cuda --processes 1 2 4 8   # one GPU per process
 
-Prints a table and writes benchmarks/results/training_processes.json."""
+Prints a table and writes benchmarks/results/training_processes_<mode>.json."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "training_processes.json"
+RESULTS = REPO / "benchmarks" / "results" / "training_processes_{mode}.json"
 
 
 def sequences(n: int, prompt_tokens: int, sampled_tokens: int, seed: int = 0) -> list[Any]:
@@ -165,12 +165,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n} process(es): {results[-1]['seconds_per_step']:.2f} s/step", flush=True)
     text = table(results, options)
     print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results_file = Path(str(RESULTS).format(mode=args.mode))
+    results_file.parent.mkdir(parents=True, exist_ok=True)
     report = {"options": {k: v for k, v in options.items() if k not in ("processes", "threads", "work_dir")},
               "cores": cores, "results": results, "table": text,
               "date": time.strftime("%Y-%m-%d"), "machine": os.uname().machine}
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(f"wrote {RESULTS}")
+    results_file.write_text(json.dumps(report, indent=2))
+    print(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def follow_then_die(group, mode: str) -> None:  # noqa: ANN001, ARG001
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def follow_then_hang(group, mode: str) -> None:  # noqa: ANN001, ARG001
+    group.next_command()
+    time.sleep(3600)  # alive, never answering
+
+
 def two_processes(tmp_path: Path, follow, mode: str, timeout_s: float = 60,  # noqa: ANN001
                   backend: str = "gloo") -> TrainingProcesses:
     processes = TrainingProcesses(Rendezvous(free_port(), 2, timeout_s, backend), follow, mode, tmp_path)
@@ -143,3 +148,19 @@ def test_a_follower_killed_mid_step_is_named_with_its_signal(tmp_path: Path):
     finally:
         processes.stop()
     assert lost.value.rank == 1 and "SIGKILL" in lost.value.reason
+
+
+def test_a_follower_that_hangs_is_noticed_within_the_timeout(tmp_path: Path):
+    processes = two_processes(tmp_path, follow_then_hang, "lora", timeout_s=5)
+    try:
+        rank0 = Stepper("lora", processes.group)
+        processes.group.command("step", [sequences(), []], 10)
+        started = time.monotonic()
+        with pytest.raises(RankLost) as lost:
+            rank0.step([sequences(), []], 10)
+        waited = time.monotonic() - started
+    finally:
+        processes.stop(timeout_s=1)
+    assert 4 < waited < 30  # the group's timeout (5 s), plus the look at the processes
+    assert lost.value.rank is None and "no answer within 5 s" in lost.value.reason
+    assert not any(p.is_alive() for p in processes.processes)  # stop() ended the hung process
