@@ -20,6 +20,7 @@ from tests.test_training_e2e import (  # noqa: F401 - training_settings is a fix
     celery_worker,
     create_job,
     status_of,
+    steps_of,
     training_settings,
     unsaved_steps,
 )
@@ -82,4 +83,24 @@ def test_a_killed_follower_is_named_and_the_job_resumes_from_its_last_saved_step
         assert lost[0].level == "error" and "SIGKILL" in lost[0].message
         assert "resumes from its last saved step" in lost[0].message and lost[0].data["rank"] == 1
         assert sum("Training on 2 processes" in e.message for e in events_of(sdk, job_id)) == 2  # started again
+        assert_each_step_once(sdk, pg_url, job_id)
+
+
+def test_a_state_saved_by_two_processes_resumes_on_one(two_process_settings, project, pg_url):
+    with live_server(two_process_settings) as base, tool_server(latency_s=0.2) as (tool_url, _), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
+        with celery_worker(two_process_settings, base) as (_, log):
+            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=3)
+            wait_for(lambda: steps_of(pg_url, job_id), timeout=180, interval=0.2)
+            sdk.fine_tuning.jobs.pause(job_id)
+            wait_for(lambda: status_of(sdk, job_id) == "paused", timeout=90, interval=0.3)
+        paused_at = steps_of(pg_url, job_id)
+        two_process_settings.training_processes = 1
+        with celery_worker(two_process_settings, base) as (_, log):
+            sdk.fine_tuning.jobs.resume(job_id)
+            wait_for(lambda: status_of(sdk, job_id) in ("succeeded", "failed"), timeout=240, interval=0.5)
+            assert status_of(sdk, job_id) == "succeeded", log.read_text()[-3000:]
+        events = events_of(sdk, job_id)
+        assert sum("Training on 2 processes" in e.message for e in events) == 1  # the resumed run: one process
+        assert any(f"Resumed training at step {paused_at[-1]}" in e.message for e in events)
         assert_each_step_once(sdk, pg_url, job_id)

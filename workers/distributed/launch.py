@@ -52,6 +52,7 @@ class TrainingProcesses:
         for process in self.processes:
             process.start()
         self.group: ProcessGroup | None = None
+        self.failed = False  # a rank was lost: the others may be stuck in a collective, not listening
 
     def join_group(self) -> ProcessGroup:
         """Rank 0's membership (blocks until every follower has joined, or the timeout)."""
@@ -68,6 +69,7 @@ class TrainingProcesses:
     def lost(self) -> RankLost | None:
         """The follower that ended, and how (waiting a moment: a closed connection is often seen
         before the process's exit)."""
+        self.failed = True
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             for rank, process in enumerate(self.processes, start=1):
@@ -88,8 +90,9 @@ class TrainingProcesses:
         return how
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Tell the followers to stop (if they still listen), then make sure they are gone."""
-        if self.group is not None:
+        """Tell the followers to stop (when none was lost: a broadcast to a hung rank would wait for
+        it), then make sure they are gone."""
+        if self.group is not None and not self.failed:
             try:
                 self.group.command(STOP)
             except RankLost:
