@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import secrets
 import shutil
@@ -242,11 +241,10 @@ def make_data(demo: Demo) -> dict[str, Path]:
 
 
 def size_training(rows: list[dict[str, Any]], steps: int, batch_size: int) -> tuple[list[dict[str, Any]], int]:
-    """The rows and epochs for about `steps` steps (steps = ceil(epochs x rows / batch_size))."""
+    """Rows for exactly `steps` steps of one epoch: the first steps x batch_size rows, the rows
+    repeated in order when there are fewer (as the benchmark's second epoch repeats them)."""
     wanted = steps * batch_size
-    if len(rows) >= wanted:
-        return rows[:wanted], 1
-    return rows, math.ceil(wanted / len(rows))
+    return [rows[i % len(rows)] for i in range(wanted)], 1
 
 
 # --- stage 2: services ------------------------------------------------------------------------------
