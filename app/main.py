@@ -28,6 +28,7 @@ from app.files.storage import LocalStorage
 from app.files.worker_router import router as files_worker_router
 from app.graders.router import router as graders_router
 from app.jobs import pipeline
+from app.jobs.permissions_router import router as checkpoint_permissions_router
 from app.jobs.router import router as jobs_router
 from app.jobs.watchdog import expire_job_leases
 from app.jobs.worker_router import router as jobs_worker_router
@@ -120,7 +121,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UploadLimit, max_bytes=settings.max_upload_bytes)
     # No NUL in a path, query, form or JSON string; JSON at most 64 levels deep (docs/security.md).
     app.add_middleware(InputLimits)
-    for router in (files_router, jobs_router, graders_router, diagnostics_router, webhooks_router, serving_router):
+    for router in (files_router, jobs_router, checkpoint_permissions_router, graders_router, diagnostics_router,
+                   webhooks_router, serving_router):
         app.include_router(router)
     # /internal/v1: what workers call, with the worker token
     for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, webhooks_worker_router):

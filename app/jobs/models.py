@@ -138,3 +138,25 @@ class WorkerEventKey(Base):
     key: Mapped[str] = mapped_column(String(255))
     event_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CheckpointPermission(Base):
+    """A checkpoint shared by the project that owns it with another project, which may then serve
+    it and fine-tune from it. Keyed by the checkpoint's name, not its row: a resumed job writes the
+    checkpoint of a step again (a new row, the same name), and the share still holds. A pruned
+    checkpoint's name no longer resolves, so its permissions grant nothing."""
+
+    __tablename__ = "checkpoint_permissions"
+    __table_args__ = (
+        UniqueConstraint("fine_tuned_model_checkpoint", "project_id",
+                         name="uq_checkpoint_permissions_fine_tuned_model_checkpoint"),
+    )
+
+    seq: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    # The project that owns the checkpoint: the only one that may list, grant or revoke.
+    owner_project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(256))
+    # The project it is shared with (the API's `project_id`).
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

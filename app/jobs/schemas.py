@@ -316,6 +316,32 @@ class CheckpointObject(BaseModel):
     step_number: int
 
 
+MAX_PERMISSION_PROJECTS = 100  # projects one request shares a checkpoint with
+ProjectId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class CheckpointPermissionCreate(BaseModel):
+    """`POST /v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project_ids: list[ProjectId] = Field(min_length=1, max_length=MAX_PERMISSION_PROJECTS,
+                                         description="The projects to share the checkpoint with.")
+
+
+class CheckpointPermissionObject(BaseModel):
+    id: str
+    object: Literal["checkpoint.permission"] = "checkpoint.permission"
+    created_at: int
+    project_id: str = Field(description="The project the checkpoint is shared with.")
+
+
+class CheckpointPermissionDeleted(BaseModel):
+    id: str
+    object: Literal["checkpoint.permission"] = "checkpoint.permission"
+    deleted: bool = True
+
+
 class RolloutObject(BaseModel):
     """This service's extension: one rollout of a job, as `GET /v1/fine_tuning/jobs/{id}/rollouts` lists it."""
 

@@ -3,7 +3,8 @@
 A name is one of
 - a base model this deployment serves (`Settings.inference_models`), owned by "agent-rft";
 - a job's `fine_tuned_model` (`ft:<base>:<project>:<suffix>:<job id>`): its latest checkpoint;
-- a checkpoint's `fine_tuned_model_checkpoint` (`...:ckpt-step-N`).
+- a checkpoint's `fine_tuned_model_checkpoint` (`...:ckpt-step-N`), the project's own or one another
+  project shares with it (a checkpoint permission; owned by that project).
 Another project's model answers 404 `model_not_found`, exactly like one that does not exist.
 """
 
@@ -17,7 +18,13 @@ from sqlalchemy.orm import Session
 from app.core.config import Settings
 from app.core.db import unix, utcnow
 from app.core.errors import APIError
-from app.jobs.lineage import base_model_of, checkpoint_by_name, fine_tuned_source, job_by_model
+from app.jobs.lineage import (
+    base_model_under,
+    checkpoint_by_name,
+    fine_tuned_source,
+    job_by_model,
+    shared_checkpoint,
+)
 from app.jobs.models import Checkpoint, Job
 from app.serving.schemas import ModelDeleted, ModelList, ModelObject
 
@@ -68,7 +75,7 @@ def resolve(*, session: Session, settings: Settings, project_id: str, name: str)
     if found is None:
         raise model_not_found(name)
     checkpoint, job = found
-    return ResolvedModel(name=name, base=_served_base(settings, base_model_of(session, project_id, job.model), name),
+    return ResolvedModel(name=name, base=_served_base(settings, base_model_under(session, job), name),
                          checkpoint_path=checkpoint.path)
 
 
@@ -95,9 +102,9 @@ def get_model(*, session: Session, settings: Settings, project_id: str, name: st
     base = _base_names(settings).get(name.casefold())
     if base is not None:
         return _model_object(base, DEPLOYMENT_CREATED, SYSTEM_OWNER)
-    found = checkpoint_by_name(session, project_id, name)
+    found = checkpoint_by_name(session, project_id, name) or shared_checkpoint(session, project_id, name)
     if found is not None:
-        return _model_object(name, unix(found[0].created_at), project_id)
+        return _model_object(name, unix(found[0].created_at), found[1].project_id)
     job = job_by_model(session, project_id, name)
     if job is None:
         raise model_not_found(name)
@@ -114,6 +121,9 @@ def delete_model(*, session: Session, settings: Settings, project_id: str, name:
         raise APIError(400, f"'{name}' is a checkpoint; checkpoints are kept with their job. Delete the "
                             "fine-tuned model (the name without ':ckpt-step-N') instead.",
                        code="model_not_deletable", param="model")
+    if shared_checkpoint(session, project_id, name) is not None:
+        raise APIError(403, f"'{name}' is a checkpoint another project shares with yours; only that project can "
+                            "stop sharing it.", code="model_not_deletable", param="model", type="invalid_request_error")
     job = job_by_model(session, project_id, name)
     if job is None:
         raise model_not_found(name)
