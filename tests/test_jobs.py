@@ -32,7 +32,8 @@ def test_create_returns_an_openai_job_and_queues_it(api):
                                   "kl_coef": 0.0, "clip_epsilon": 0.2, "learning_rate": None, "max_tokens_per_turn": 256,
                                   "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0,
                                   "dtype": "auto", "diagnostic": None, "rollout_timeout": None,
-                                  "sampler": "auto", "importance_sampling_cap": None}
+                                  "sampler": "auto", "importance_sampling_cap": None,
+                                  "training_processes": None}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
 
 
