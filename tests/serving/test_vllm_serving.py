@@ -127,9 +127,14 @@ def test_streaming_gives_the_same_answer_and_tool_calls(on_vllm: Served):
     assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == whole
     assert len([e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]) > 3  # token by token
     assert events[-1]["usage"]["completion_tokens"] == 24
-    called = stream(on_vllm, {"messages": AGENT_QUESTION, "max_tokens": 40, "temperature": 0, "stream": True,
-                              "tools": [SEARCH]}, checkpoint=None)
-    calls = [c["delta"]["tool_calls"] for e in called for c in e["choices"] if c["delta"].get("tool_calls")]
+    # Sampled, a few tries: whether SmolLM2's greedy answer is a call depends on the CPU's kernels
+    # (on an AMX Xeon it answers in prose); at 0.7 most of its answers to this prompt are calls.
+    for _ in range(8):
+        called = stream(on_vllm, {"messages": AGENT_QUESTION, "max_tokens": 40, "temperature": 0.7, "stream": True,
+                                  "tools": [SEARCH]}, checkpoint=None)
+        calls = [c["delta"]["tool_calls"] for e in called for c in e["choices"] if c["delta"].get("tool_calls")]
+        if calls:
+            break
     assert calls and calls[0][0]["function"]["name"] == "search", called
     assert "ACME" in json.loads(calls[0][0]["function"]["arguments"])["query"]
     assert called[-1]["choices"][0]["finish_reason"] == "tool_calls"
