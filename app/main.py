@@ -32,6 +32,7 @@ from app.jobs.permissions_router import router as checkpoint_permissions_router
 from app.jobs.router import router as jobs_router
 from app.jobs.watchdog import expire_job_leases
 from app.jobs.worker_router import router as jobs_worker_router
+from app.observability.router import router as metrics_router
 from app.serving.router import router as serving_router
 from app.webhooks.dispatcher import sweep
 from app.webhooks.outbox import install_dispatch
@@ -128,6 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, webhooks_worker_router):
         app.include_router(router)
     install_dashboard(app)
+    app.include_router(metrics_router)  # GET /metrics for Prometheus (docs/observability.md)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

@@ -24,6 +24,7 @@ from workers.control_client import (
     worker_id,
 )
 from workers.diagnostics import GIVEN_BACK, DiagnosticRun, claim_with_patience
+from workers.metrics import record_step  # also starts the metrics server with the worker
 
 log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
@@ -358,6 +359,7 @@ class ControlHooks:
         if train_records:  # a supervised step has none
             await self._call(self.client.push_rollouts, step, "train", train_records)
         await self._call(self.client.push_step, step, metrics)
+        record_step(self.job_id, metrics, rollouts=len(train_records))
 
     async def on_eval(self, step: int, valid_reward_mean: float, valid_records: list[dict[str, Any]]) -> None:
         await self._call(self.client.push_rollouts, step, "valid", valid_records)

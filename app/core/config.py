@@ -193,6 +193,18 @@ class Settings(BaseSettings):
     inference_port: int = Field(8001, description="Default port of `agent-rft inference`.")
     host: str = Field("127.0.0.1", description="Default bind address of `agent-rft serve`.")
     port: int = Field(8000, description="Default port of `agent-rft serve`.")
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token that `/metrics` (the API's and the inference server's) requires when set; without it they answer 401. Unset: `/metrics` answers loopback clients only (403 otherwise) unless AGENT_RFT_METRICS_PUBLIC is true. docs/observability.md.",
+    )
+    metrics_public: bool = Field(
+        False,
+        description="With no AGENT_RFT_METRICS_TOKEN: serve `/metrics` to every client, not only loopback ones; a worker's metrics port then listens on every interface instead of 127.0.0.1.",
+    )
+    worker_metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port on which `agent-rft worker` serves its Prometheus metrics (step times, tool calls, graders; docs/observability.md). Unset: no metrics server.",
+    )
 
     @field_validator("outbound_allowlist", "webhook_retry_schedule_s", "inference_models", "secret_keys", "vllm_urls",
                      mode="before")

@@ -15,6 +15,7 @@ from app.core.queue import JobQueue
 from app.jobs import pipeline
 from app.jobs.models import Job
 from app.jobs.state import JobStatus, transition
+from app.observability.registry import LEASE_EXPIRIES
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def expire_job_leases(session_factory: sessionmaker[Session], queue: JobQueue, *
 
     with session_factory.begin() as session:
         requeued = expire_leases(session, Job, now=now or utcnow(), requeue=requeue, restart_grace_s=restart_grace_s)
+    LEASE_EXPIRIES.inc(len(requeued))  # counted once the re-queue is committed
     for job_id in requeued:
         pipeline.send_to_workers(session_factory, queue, job_id)
     if requeued:

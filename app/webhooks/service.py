@@ -23,6 +23,7 @@ from app.core.ids import new_id
 from app.core.pagination import ListPage, page
 from app.core.retry import excerpt
 from app.core.urls import BlockedURL, guard_url
+from app.observability.registry import WEBHOOK_DELIVERY_FAILURES
 from app.webhooks.events import EVENT_TYPES, event_body
 from app.webhooks.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 from app.webhooks.outbox import note_for_dispatch
@@ -394,6 +395,8 @@ def report_attempt(*, session: Session, settings: Settings, delivery_id: str,
         attempt.status_code, attempt.latency_ms, attempt.error = body.status_code, body.latency_ms, error
         attempt.response_excerpt = excerpt(body.response_excerpt, EXCERPT_CHARS) if body.response_excerpt else None
         attempt.outcome = "delivered" if succeeded else "failed"
+        if not succeeded:
+            WEBHOOK_DELIVERY_FAILURES.inc()
         current = delivery.claim_id == body.claim_id
         if current:
             delivery.claim_id = delivery.locked_until = None

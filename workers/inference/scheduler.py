@@ -61,6 +61,13 @@ class Pending:
     model: dict[str, Any]  # {"name", "base", "checkpoint_path"} as the API resolved it
     stream: bool
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # time.monotonic() at arrival and at its first sampled token (the server's time-to-first-token metric)
+    received_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def saw_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
 
     @property
     def group(self) -> tuple[Any, ...]:
@@ -205,6 +212,7 @@ class Scheduler:
 
         def on_token(row: int, token: int) -> None:
             entry = rows[row]
+            entry.pending.saw_token()
             if entry.stream is not None and (text := entry.stream.feed(token)):
                 send(entry.pending, "delta", entry.choice, text)
 

@@ -25,9 +25,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.core.config import Settings
 from app.core.errors import error_body
+from app.observability.access import metrics_refusal
+from workers.inference import metrics
 from workers.inference.chat import BadChatRequest, ChatPlan, chunk, completion_body, delta, tool_call_deltas, usage
 from workers.inference.pool import ModelPool, ModelUnavailable
 from workers.inference.scheduler import GenerationBackend, Pending, QueueFull, Scheduler
@@ -93,8 +96,21 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
     def healthz() -> dict[str, Any]:
         return {"status": "ok", **backend.health()}
 
+    @app.get("/metrics", include_in_schema=False)
+    def metrics_page(request: Request) -> Response:
+        refusal = metrics_refusal(settings, authorization=request.headers.get("authorization"),
+                                  client_host=request.client.host if request.client else None)
+        if refusal is not None:
+            return _error(refusal.status_code, refusal.message, code=refusal.code or "", headers=refusal.headers)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/internal/v1/chat/completions", response_model=None)
     async def complete(request: Request) -> Response:
+        response = await answer(request)
+        metrics.record_request(response.status_code)  # a stream counts as answered once it starts
+        return response
+
+    async def answer(request: Request) -> Response:
         if not authorized(request):
             return _error(401, "The inference server needs the worker token.", code="invalid_worker_token")
         try:
@@ -120,7 +136,9 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
         event = await pending.events.get()
         if event[0] == "error":
             return _error_for(event[1])
-        return JSONResponse(completion_body(chat, [result for _, result in event[2]]))
+        choices = [result for _, result in event[2]]
+        metrics.record_generation(pending, usage(chat, choices)["completion_tokens"])
+        return JSONResponse(completion_body(chat, choices))
 
     return app
 
@@ -141,6 +159,7 @@ async def _events(pending: Pending, chat: ChatPlan) -> AsyncIterator[str]:
             return
         break
     finished = event[2]
+    metrics.record_generation(pending, usage(chat, [result for _, result in finished])["completion_tokens"])
     for entry, result in finished:
         rest = entry.stream.rest(result) if entry.stream else ""
         if rest:

@@ -174,6 +174,7 @@ def _streamer(row: ChoiceRow) -> Any:
     stream, events = row.stream, row.pending.events
 
     def on_token(token: int) -> None:
+        row.pending.saw_token()
         if text := stream.feed(token):
             events.put_nowait(("delta", row.choice, text))
     return on_token

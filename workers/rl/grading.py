@@ -12,6 +12,7 @@ from typing import Any
 
 from app.graders.batch import BatchGrade, grade_many
 from app.graders.core import GraderContext, Sample
+from workers.metrics import record_grading
 from workers.rl.rollout import RolloutRecord
 
 
@@ -55,13 +56,21 @@ async def grade_rollouts(grader: Any, ctx: GraderContext, records: list[RolloutR
               for r in records]
     todo = [(g, item) for g, item in zip(graded, items) if g.excluded is None]
     jobs = [(Sample.from_model_sample(g.record.grader_sample()), item, g.record.trace_id) for g, item in todo]
+    grader_type = grader_type_of(grader)
     for (rollout, _), result in zip(todo, await grade_many(grader, jobs, ctx) if jobs else []):
+        record_grading(grader_type, result.latency_s, failed=result.failed)
         rollout.grade = result
         if result.failed:
             rollout.excluded = "grader_failure"
         else:
             rollout.reward = float(result.reward)
     return graded
+
+
+def grader_type_of(grader: Any) -> str:
+    """The grader's type (`string_check`, `multi`, ...): a metrics label of few values, unlike its name."""
+    kind = grader.get("type") if isinstance(grader, Mapping) else getattr(grader, "type", None)
+    return str(kind or "unknown")
 
 
 def mean_or_none(values: Sequence[float]) -> float | None:

@@ -59,6 +59,7 @@ from app.core.retry import (
 )
 from app.core.tracing import idempotency_key, traceparent
 from app.core.urls import BlockedURL, Resolver, guarded_client
+from workers.metrics import record_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +272,13 @@ class ToolClient:
         """POST one function call to its tool server and return what the model should see.
 
         Cancelled, it first hands `on_cancel` a failed result of what the call did until then."""
+        result = await self._call(trace_id=trace_id, call_id=call_id, name=name, arguments_json=arguments_json,
+                                  item=item, on_cancel=on_cancel)
+        record_tool_call(name, result.status, result.latency_s, known=name in self._tools)
+        return result
+
+    async def _call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict,
+                    on_cancel: Callable[[ToolResult], None] | None) -> ToolResult:
         started = time.monotonic()
         tool = self._tools.get(name)
         if tool is None:
