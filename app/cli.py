@@ -29,6 +29,20 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=1)
 
 
+# What the commands that load a model import. `pip install agent-rft` (the control plane) has none
+# of them; the worker and inference extras do (app/core/extras.py).
+MODEL_PACKAGES = ("torch", "transformers", "peft")
+WORKER_PACKAGES = (*MODEL_PACKAGES, "sentence_transformers")
+
+
+def _require_extra(extra: str, command: str, modules: tuple[str, ...]) -> None:
+    """Fail with the extra to install, before a slim installation dies in an ImportError mid-run."""
+    from app.core.extras import missing_extra
+
+    if message := missing_extra(extra, f"`agent-rft {command}`", *modules):
+        _fail(message)
+
+
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database to the latest schema (or to REVISION)."""
@@ -230,6 +244,9 @@ def worker(
 
     settings = get_settings()
     queue_names = queues or f"{settings.training_queue},{settings.webhook_queue}"
+    # A worker of the webhook queue alone delivers HTTP requests: the slim install is enough for it.
+    if settings.training_queue in [name.strip() for name in queue_names.split(",")]:
+        _require_extra("worker", "worker", WORKER_PACKAGES)
     celery_app.worker_main(["worker", "-Q", queue_names, "-c", str(concurrency), "-l", loglevel, "-P", "solo"
                             if concurrency == 1 else "prefork"])
 
@@ -241,6 +258,7 @@ def inference(
 ) -> None:
     """Run the inference server: chat completions for base models, fine-tuned models and checkpoints
     (the API forwards /v1/chat/completions to it; docs/serving.md)."""
+    _require_extra("inference", "inference", MODEL_PACKAGES)
     import uvicorn
 
     from workers.inference.server import create_inference_app
@@ -280,6 +298,7 @@ def rollout(
     dtype: DType = Precision.auto,
 ) -> None:
     """Run rollouts of MODEL against real tools and print transcripts and a summary table."""
+    _require_extra("worker", "rollout", MODEL_PACKAGES)
     from workers.rl.models import ModelError
     from workers.rl.rollout import EngineConfig
     from workers.rl.rollout_command import RolloutInputError, rollout_command
@@ -481,6 +500,7 @@ def eval_command(
     dtype: DType = Precision.auto,
 ) -> None:
     """Evaluate MODEL (before or after training): graded rollouts with the training engine."""
+    _require_extra("worker", "eval", WORKER_PACKAGES)
     from workers.rl.eval_command import eval_command
     from workers.rl.models import ModelError
     from workers.rl.rollout import EngineConfig
@@ -505,6 +525,7 @@ def demo(
 ) -> None:
     """Agent RFT's lesson end to end, on the embedded default: a starting agent that over-browses (supervised),
     then reinforcement fine-tuning that makes it go straight to the answer; prints a before/after table."""
+    _require_extra("worker", "demo", WORKER_PACKAGES)  # the worker extra includes the inference server's
     from examples.financial_reports.demo import run_demo
 
     sys.exit(run_demo(model=model, steps=steps, quick=quick, workdir=workdir, seed=seed))

