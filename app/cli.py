@@ -107,6 +107,28 @@ def projects_create(name: str) -> None:
     _print_key(created, "Created project")
 
 
+@projects_cli.command("set-wandb-key")
+def projects_set_wandb_key(
+    project: Annotated[str, typer.Argument(help="Project name.")],
+    key_stdin: Annotated[bool, typer.Option("--key-stdin", help="Read the key from standard input (for scripts); "
+                                                                "default: a hidden prompt.")] = False,
+    clear: Annotated[bool, typer.Option("--clear", help="Remove the project's key.")] = False,
+) -> None:
+    """Set the project's Weights & Biases API key, used by its jobs' `wandb` integration. It is stored
+    encrypted and never shown; it is read from stdin or a prompt, never an argument (shell history)."""
+    from app.auth.service import ProjectError, set_wandb_key
+
+    key = None if clear else (sys.stdin.read() if key_stdin else typer.prompt("W&B API key", hide_input=True))
+    box = _secret_box()
+    with _session() as session:
+        try:
+            set_wandb_key(session=session, project_name=project, key=key, box=box)
+        except ProjectError as exc:
+            _fail(str(exc))
+    typer.echo(f"Removed the W&B API key of project {project}." if clear
+               else f"Stored the W&B API key of project {project} (encrypted; it is never shown).")
+
+
 @keys_cli.command("create")
 def keys_create(
     project: Annotated[str, typer.Option("--project", help="Project name.")],
@@ -192,6 +214,7 @@ def _rewrite_all(rewrite, verb: str) -> None:  # noqa: ANN001
         _fail(str(exc))
     typer.echo(f"{verb} {done.headers} header values (of tools and graders) and {done.webhook_secrets} "
                "webhook signing secrets.")
+    typer.echo(f"{verb} {done.wandb_keys} project W&B API keys.")
 
 
 @secrets_cli.command("reencrypt")

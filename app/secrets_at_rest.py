@@ -1,5 +1,6 @@
 """`agent-rft secrets reencrypt` and `decrypt`: one pass over every stored secret (the tool and
-grader headers in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets).
+grader headers in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets, the
+projects' W&B API keys).
 
 reencrypt seals each under the newest key of AGENT_RFT_SECRET_KEYS, plain values stored before
 encryption included; a value already under the newest key is left as it is, so a second run
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.crypto import SecretBox, is_sealed
 from app.jobs.tool_headers import reseal_headers, unseal_headers
-from app.models import Diagnostic, Job, WebhookEndpoint  # every table: their foreign keys resolve
+from app.models import Diagnostic, Job, Project, WebhookEndpoint  # every table: their foreign keys resolve
 
 BATCH = 200
 WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
@@ -29,6 +30,7 @@ class Rewritten:
 
     headers: int = 0  # values in a `method`: tools' and graders'
     webhook_secrets: int = 0
+    wandb_keys: int = 0  # projects' W&B API keys
 
 
 def _locked_batches(factory: sessionmaker[Session], model: Any) -> Iterator[list[Any]]:
@@ -67,7 +69,19 @@ def _pass(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, i
                     row.method, done.headers = new, done.headers + changed
     for endpoints in _locked_batches(factory, WebhookEndpoint):
         done.webhook_secrets += sum(_rewrite_secrets(ep, secret) for ep in endpoints)
+    done.wandb_keys = _rewrite_wandb_keys(factory, secret)
     return done
+
+
+def _rewrite_wandb_keys(factory: sessionmaker[Session], rewrite: Callable[[str], str | None]) -> int:
+    """The projects' W&B keys, in one transaction: a project table is small."""
+    changed = 0
+    with factory.begin() as session:
+        for project in session.scalars(select(Project).where(Project.wandb_api_key.is_not(None)).with_for_update()):
+            new = rewrite(project.wandb_api_key)
+            if new is not None:
+                project.wandb_api_key, changed = new, changed + 1
+    return changed
 
 
 def reencrypt(factory: sessionmaker[Session], box: SecretBox) -> Rewritten:

@@ -251,15 +251,17 @@ def agent_rft_process(args: list[str], env: dict[str, str], log: Path, ready: An
 
 
 @contextmanager
-def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: str) -> Iterator[tuple[Any, Path]]:
-    """A real `agent-rft worker` on Redis for `queues`, talking to the API at `api_url`; yields
-    (process, log path) once it is ready and kills its process group afterwards."""
+def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: str,
+                     extra_env: dict[str, str] | None = None) -> Iterator[tuple[Any, Path]]:
+    """A real `agent-rft worker` on Redis for `queues`, talking to the API at `api_url` (with
+    `extra_env` added to its environment); yields (process, log path) once it is ready and kills
+    its process group afterwards."""
     env = {"AGENT_RFT_API_URL": api_url, "AGENT_RFT_WORKER_TOKEN": token,
            "AGENT_RFT_BROKER_URL": REDIS_URL, "AGENT_RFT_TRAINING_QUEUE": settings.training_queue,
            "AGENT_RFT_OUTBOUND_ALLOWLIST": "127.0.0.1", "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir),
            "AGENT_RFT_LEASE_SECONDS": str(settings.lease_seconds), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
            "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls),
-           "AGENT_RFT_TRAINING_PROCESSES": str(settings.training_processes)}
+           "AGENT_RFT_TRAINING_PROCESSES": str(settings.training_processes), **(extra_env or {})}
     log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["worker", "--queues", queues, "--loglevel", "info"], env, log,
                            lambda: log.exists() and "ready" in log.read_text()) as proc:

@@ -24,7 +24,7 @@ import pytest
 from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
-from sqlalchemy import select, text
+from sqlalchemy import insert, select, text
 
 from app.core.config import Settings, get_settings
 from app.core.crypto import SecretKeysMissing, SecretUnreadable, secret_box
@@ -350,13 +350,16 @@ def test_revision_0010_seals_grader_headers_stored_in_plain_text_and_going_back_
         upgrade(url, "0009")
         engine = make_engine(url)
         try:
-            with make_session_factory(engine).begin() as session:  # revision 0010 changes no column: head's models fit
-                session.add(Project(id="proj_1", name="p"))
-                session.flush()
-                session.add(Job(id="ftjob-1", project_id="proj_1", model="m", training_file="file-x", status="queued",
-                                method=plain["ftjob-1"], seed=1))
-                session.add(Diagnostic(id="diag-1", project_id="proj_1", model="m", training_file="file-x",
-                                       status="queued", method=plain["diag-1"], runs_per_sample=2, seed=1))
+            # Core inserts of the columns named (and those with defaults): head's tables have columns
+            # that revision 0009 lacks (0012's), which an ORM insert would name.
+            with make_session_factory(engine).begin() as session:
+                session.execute(insert(Project.__table__).values(id="proj_1", name="p"))
+                session.execute(insert(Job.__table__).values(
+                    id="ftjob-1", project_id="proj_1", model="m", training_file="file-x", status="queued",
+                    method=plain["ftjob-1"], seed=1))
+                session.execute(insert(Diagnostic.__table__).values(
+                    id="diag-1", project_id="proj_1", model="m", training_file="file-x", status="queued",
+                    method=plain["diag-1"], runs_per_sample=2, seed=1))
             upgrade(url)
             sealed = stored_methods(engine)
             assert "grader-secret" not in json.dumps(sealed)

@@ -40,15 +40,18 @@ def training_settings(settings: Settings, tmp_path: Path) -> Settings:
     return settings
 
 
-def celery_worker(settings: Settings, api_url: str):  # noqa: ANN201
-    return agent_rft_worker(settings, api_url, token="e2e-worker-token", queues=settings.training_queue)
+def celery_worker(settings: Settings, api_url: str, extra_env: dict[str, str] | None = None):  # noqa: ANN201
+    return agent_rft_worker(settings, api_url, token="e2e-worker-token", queues=settings.training_queue,
+                            extra_env=extra_env)
 
 
 def create_job(sdk: openai.OpenAI, tool_url: str, *, n_rows: int = 4, grader: dict | None = None,
-               x_open_model: dict | None = None, **hyper) -> str:  # noqa: ANN003
+               x_open_model: dict | None = None, integrations: list[dict] | None = None,
+               **hyper) -> str:  # noqa: ANN003
     uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
     job = sdk.fine_tuning.jobs.create(
         model="tiny-smollm2", training_file=uploaded.id, seed=7,
+        **({"integrations": integrations} if integrations else {}),
         method={"type": "reinforcement", "reinforcement": {
             "grader": grader or {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
                                  "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"},

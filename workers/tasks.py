@@ -25,6 +25,7 @@ from workers.control_client import (
 )
 from workers.diagnostics import GIVEN_BACK, DiagnosticRun, claim_with_patience
 from workers.metrics import record_step  # also starts the metrics server with the worker
+from workers.integrations.wandb_run import wandb_run
 
 log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
@@ -82,6 +83,9 @@ class JobRun:
         self.job_id = self.job.id
         self.heartbeat = Heartbeat(client, self.job_id, self.lease_id, interval_s=max(1.0, settings.lease_seconds / 4))
         self.work_dir = Path(settings.resolved_checkpoint_dir) / self.job_id
+        # The job's W&B run (None without the integration); its one failure warning has one key per claim.
+        self.wandb = wandb_run(self.job, lambda message, data: client.push_event(
+            self.job_id, self.lease_id, f"{self.lease_id}:wandb", "warn", message, data))
 
     def run(self) -> dict[str, Any]:
         from workers.rl.training_run import RunInterrupted
@@ -100,6 +104,8 @@ class JobRun:
             self.heartbeat.stop()
         if self.heartbeat.action != "lost":
             self._finish(outcome.status, error=outcome.error, trained_tokens=outcome.trained_tokens)
+        else:
+            self._end_integrations(outcome.status)
         return {"job_id": self.job_id, "status": outcome.status, "steps": outcome.completed_steps}
 
     def _give_back(self, exc: Exception) -> dict[str, Any]:
@@ -108,9 +114,15 @@ class JobRun:
         the watchdog re-queues it from the last saved step."""
         log.warning("job %s given back (%s): it resumes from its last saved step once its lease expires",
                     self.job_id, exc)
+        self._end_integrations(GIVEN_BACK)
         return {"job_id": self.job_id, "status": GIVEN_BACK}
 
+    def _end_integrations(self, status: str) -> None:
+        if self.wandb is not None:
+            self.wandb.finish(status)
+
     def _finish(self, status: str, **kwargs: Any) -> None:
+        self._end_integrations(status)  # before the end is reported: a reader of the job finds the run complete
         try:
             self.client.finish(self.job_id, self.lease_id, status, **kwargs)
         except Exception:  # noqa: BLE001 - the watchdog re-queues a job whose worker cannot report
@@ -359,6 +371,8 @@ class ControlHooks:
         if train_records:  # a supervised step has none
             await self._call(self.client.push_rollouts, step, "train", train_records)
         await self._call(self.client.push_step, step, metrics)
+        if self.run.wandb is not None:
+            self.run.wandb.log_step(step, metrics, self.resolved)
         record_step(self.job_id, metrics, rollouts=len(train_records))
 
     async def on_eval(self, step: int, valid_reward_mean: float, valid_records: list[dict[str, Any]]) -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import DateTime, ForeignKey, String
+from sqlalchemy import DateTime, ForeignKey, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.core.db import Base, utcnow
@@ -14,6 +14,9 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The project's Weights & Biases API key, sealed (`fernet:…`, app/core/crypto.py); opened only
+    # for the worker that claims one of its jobs with a `wandb` integration, never shown.
+    wandb_api_key: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ApiKey(Base):

@@ -13,6 +13,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from app.auth.models import ApiKey, Project
+from app.core.crypto import SecretBox
 from app.core.db import utcnow
 from app.core.ids import new_id
 
@@ -107,6 +108,23 @@ def list_keys(*, session: Session, project_name: str) -> list[KeyInfo]:
     project = _project(session, project_name)
     keys = session.scalars(select(ApiKey).where(ApiKey.project_id == project.id).order_by(ApiKey.created_at))
     return [KeyInfo(k.id, k.display_prefix, k.created_at, k.last_used_at, k.expires_at, k.revoked_at) for k in keys]
+
+
+MAX_WANDB_KEY_LENGTH = 512
+
+
+def set_wandb_key(*, session: Session, project_name: str, key: str | None, box: SecretBox) -> None:
+    """Store the project's Weights & Biases API key sealed (None removes it). Jobs already created
+    with a W&B integration use whatever key the project has when a worker claims them."""
+    project = _project(session, project_name)
+    if key is None:
+        project.wandb_api_key = None
+        return
+    key = key.strip()
+    if not key or len(key) > MAX_WANDB_KEY_LENGTH or any(c.isspace() for c in key):
+        raise ProjectError(f"A W&B API key is 1-{MAX_WANDB_KEY_LENGTH} characters without spaces "
+                           "(https://wandb.ai/authorize shows yours).")
+    project.wandb_api_key = box.seal(key)
 
 
 def revoke_key(*, session: Session, key_id: str) -> KeyInfo:

@@ -31,6 +31,8 @@ class Job(LeasedRun, Base):
     seed: Mapped[int] = mapped_column(Integer)
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType, nullable=True)
+    # The checked `integrations` (Weights & Biases); the W&B key is the project's, never stored here.
+    integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
     # DELETE /v1/models/{fine_tuned_model}: the name is no longer listed or served (its checkpoints are).

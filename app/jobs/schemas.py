@@ -226,6 +226,32 @@ def method_block(method: dict[str, Any]) -> dict[str, Any]:
     return method.get(method.get("type") or "") or {}
 
 
+MAX_INTEGRATIONS = 5  # OpenAI's limits on `integrations`
+MAX_WANDB_TAGS = 50
+MAX_WANDB_TAG_LENGTH = 64
+
+
+class WandbOptions(BaseModel):
+    """`integrations[].wandb`: where the job's Weights & Biases run goes, as OpenAI takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project: str = Field(min_length=1, max_length=128, description="The W&B project the run is created under.")
+    name: str | None = Field(None, max_length=128, description="The run's display name; default: the job id.")
+    entity: str | None = Field(None, max_length=128, description="The W&B team or user; default: the key's own.")
+    tags: list[Annotated[str, Field(min_length=1, max_length=MAX_WANDB_TAG_LENGTH)]] = Field(
+        default_factory=list, max_length=MAX_WANDB_TAGS)
+
+
+class Integration(BaseModel):
+    """One entry of `integrations`; `wandb` is the only type OpenAI defines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["wandb"]
+    wandb: WandbOptions
+
+
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -239,7 +265,9 @@ class JobCreate(BaseModel):
     hyperparameters: dict[str, Any] | None = Field(
         None, description="Deprecated by OpenAI: a supervised job's hyperparameters (method omitted, or supervised "
                           "without its own); use method.supervised.hyperparameters.")
-    integrations: list[dict[str, Any]] | None = None
+    integrations: list[Integration] | None = Field(
+        None, max_length=MAX_INTEGRATIONS, description="Weights & Biases logging of the run; the W&B API key is "
+                                                       "the project's (`agent-rft projects set-wandb-key`).")
 
     @field_validator("metadata")
     @classmethod

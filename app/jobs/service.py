@@ -37,6 +37,7 @@ from app.jobs.schemas import (
     method_block,
 )
 from app.jobs import tool_headers
+from app.jobs.integrations import check_integrations, public_integrations
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
 from app.jobs.validation import parameters_schema_problem
 from app.serving.service import model_not_found
@@ -73,13 +74,11 @@ def to_schema(job: Job) -> JobObject:
         status=job.status, trained_tokens=job.trained_tokens, training_file=job.training_file,
         validation_file=job.validation_file, estimated_finish=unix(job.estimated_finish),
         metadata=job.user_metadata, method=public_method(method), suffix=job.suffix,
-        diagnostic_id=job.diagnostic_id,
+        diagnostic_id=job.diagnostic_id, integrations=public_integrations(job.integrations),
     )
 
 
 def _check_method(body: JobCreate, settings: Settings) -> dict[str, Any]:
-    if body.integrations:
-        raise bad_request("Integrations are not supported by this service.", param="integrations")
     # Without `method`, OpenAI (and its SDK's jobs.create(model, training_file)) makes a supervised job.
     method = _with_top_level_hyperparameters(body.method or Method(type="supervised"), body.hyperparameters)
     return check_method(method, settings)
@@ -194,6 +193,7 @@ def create_job(
     if replay is not None:
         return get_job(session=session, project_id=project_id, job_id=replay), False
     method = _check_method(body, settings)
+    integrations = check_integrations(session, project_id, body.integrations)
     _check_start(session, project_id, body.model, method)
     check_file(session, project_id, body.training_file, "training_file")
     if body.validation_file:
@@ -202,7 +202,7 @@ def create_job(
         id=new_id("ftjob-"), project_id=project_id, model=body.model, training_file=body.training_file,
         validation_file=body.validation_file, status=JobStatus.VALIDATING_FILES.value, method=method,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31 - 1), suffix=body.suffix,
-        user_metadata=body.metadata, result_files=[],
+        user_metadata=body.metadata, result_files=[], integrations=integrations,
     )
     session.add(job)
     session.flush()

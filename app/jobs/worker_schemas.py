@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.core.worker_schemas import FinishError, Leased
-from app.jobs.schemas import Method, Split
+from app.jobs.schemas import Integration, Method, Split
 
 
 class ClaimedMethod(Method):
@@ -46,6 +46,10 @@ class ClaimedJob(BaseModel):
     completed_steps: int
     resolved_hyperparameters: dict[str, Any] | None
     start_from: StartFrom | None = None
+    integrations: list[Integration] = Field(default_factory=list, description="The job's integrations (W&B).")
+    # Opened from the project's sealed key only when the job logs to W&B; repr=False keeps it out of
+    # any log line or traceback that prints the claim.
+    wandb_api_key: str | None = Field(None, repr=False, description="The project's W&B API key, in plain text.")
 
 
 class ClaimResponse(BaseModel):

@@ -22,6 +22,7 @@ from app.files import service as files
 from app.files.storage import Storage
 from app.jobs import service as jobs
 from app.jobs import step_metrics
+from app.jobs.integrations import wandb_key_for_claim
 from app.jobs.lineage import base_model_of, start_point
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
@@ -75,6 +76,8 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
         method=open_headers(job.method, secret_box(settings)), seed=job.seed,
         suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
         resolved_hyperparameters=job.resolved_hyperparameters, start_from=_start_from(session, job),
+        integrations=job.integrations or [],
+        wandb_api_key=wandb_key_for_claim(session, job.project_id, job.integrations, secret_box(settings)),
     ))
 
 

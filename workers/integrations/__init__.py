@@ -1,0 +1,1 @@
+"""Where a job's run is mirrored outside the service (its `integrations`): Weights & Biases."""
