@@ -89,7 +89,9 @@ class JobRun:
 
     def run(self) -> dict[str, Any]:
         from workers.rl.training_run import RunInterrupted
+        from workers.spans import configure_from_environment
 
+        configure_from_environment()  # OpenTelemetry spans, where OTEL_EXPORTER_OTLP_* says where to send them
         self.heartbeat.start()
         try:
             outcome = asyncio.run(self._train())

@@ -43,6 +43,9 @@ async def _follow(group: ProcessGroup, job: FollowerJob) -> None:
     from workers.rl.tools_client import ToolClient
     from workers.rl.trainer import Trainer
 
+    from workers.spans import configure_from_environment
+
+    configure_from_environment()  # this rank's rollouts get spans too (the environment is rank 0's)
     if job.threads:
         torch.set_num_threads(job.threads)
     loaded, _ = load_start(job.model, job.start_from, dtype=job.dtype, training_mode=job.config.training_mode)

@@ -12,6 +12,7 @@ from typing import Any
 
 from app.graders.batch import BatchGrade, grade_many
 from app.graders.core import GraderContext, Sample
+from workers import spans
 from workers.metrics import record_grading
 from workers.rl.rollout import RolloutRecord
 
@@ -59,6 +60,7 @@ async def grade_rollouts(grader: Any, ctx: GraderContext, records: list[RolloutR
     grader_type = grader_type_of(grader)
     for (rollout, _), result in zip(todo, await grade_many(grader, jobs, ctx) if jobs else []):
         record_grading(grader_type, result.latency_s, failed=result.failed)
+        spans.grader_call_span(rollout.record.trace_id, grader_type, result.latency_s, result.failed)
         rollout.grade = result
         if result.failed:
             rollout.excluded = "grader_failure"

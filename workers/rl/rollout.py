@@ -15,6 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from workers import spans
 from workers.rl.generation import GenerationOutput, GenerationRequest, KVPrefix
 from workers.rl.sampler import InProcessSampler, Sampler, SamplingSession
 from workers.rl.prompting import (
@@ -183,7 +184,8 @@ class RolloutEngine:
         state = _Episode(self, spec, record, session)
         session.started()
         try:
-            await state.play()
+            with spans.rollout_span(record.trace_id, spec.sample_index):
+                await state.play()
         finally:
             session.release(state.kv)
             session.finished()
@@ -308,9 +310,11 @@ class _Episode:
             error = f"cancelled: the rollout's deadline of {self.cfg.rollout_timeout_s:g} s passed"
             self._record_call(call, replace(result, error=error))
 
-        result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id, name=call.name,
-                                              arguments_json=call.arguments_json, item=self.spec.item,
-                                              on_cancel=record_cancelled)
+        with spans.tool_call_span(call.name) as span:
+            result = await self.engine.tools.call(trace_id=self.record.trace_id, call_id=call.call_id, name=call.name,
+                                                  arguments_json=call.arguments_json, item=self.spec.item,
+                                                  on_cancel=record_cancelled)
+            spans.end_tool_call(span, result.status, result.error)
         self._record_call(call, result)
         return result
 

@@ -59,6 +59,7 @@ from app.core.retry import (
 )
 from app.core.tracing import idempotency_key, traceparent
 from app.core.urls import BlockedURL, Resolver, guarded_client
+from workers.spans import current_span_id
 from workers.metrics import record_tool_call
 
 logger = logging.getLogger(__name__)
@@ -464,7 +465,8 @@ def _call_headers(tool: _Tool) -> httpx.Headers:
     if context is not None:
         trace_id, key = context
         headers["Idempotency-Key"] = key
-        headers["traceparent"] = traceparent(trace_id)
+        # With spans on, the header names the tool call's span, so the server's spans are its children.
+        headers["traceparent"] = traceparent(trace_id, current_span_id(trace_id))
     return headers
 
 

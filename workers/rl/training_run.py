@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from workers import spans
 from workers.distributed.group import OneProcess, RankLost, TrainingGroup
 from workers.rl.models import LoadedModel, save_model_dir, training_mode
 from workers.rl.sampler import SamplerUnavailable
@@ -162,7 +163,8 @@ class TrainingRun:
                 return self._outcome("paused")
             if decision != "continue":
                 raise ValueError(f"hooks.control() returned {decision!r}; expected 'continue', 'pause' or 'cancel'")
-            await self._train_step(self.progress.step + 1)
+            with spans.step_span(self.progress.step + 1, self.total_steps):
+                await self._train_step(self.progress.step + 1)
         final = await self._final_checkpoint()
         await self._event("info", f"Training finished: {self.total_steps} steps, {self.progress.trained_tokens} "
                           f"trained tokens; final checkpoint {final.name}.")
