@@ -27,7 +27,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         # Training tasks run for hours: the broker must not hand an unacknowledged task to a
-        # second worker while the first still runs it (DESIGN.md §5). The control plane's
+        # second worker while the first still runs it (at-least-once, but never run twice at once). The control plane's
         # lease on the job is the real guard; this keeps Redis from racing it.
         broker_transport_options={"visibility_timeout": 24 * 3600} if settings.broker_url else {},
         broker_connection_retry_on_startup=True,

@@ -1,4 +1,4 @@
-"""The financial-reports tool server (DESIGN.md §3.2): `search`, `list` and `cat` over a corpus tree.
+"""The financial-reports tool server (docs/tool-server.md): `search`, `list` and `cat` over a corpus tree.
 
     python -m examples.financial_reports.server --corpus data/fin/corpus --port 8001
 

@@ -1,4 +1,4 @@
-"""A real endpoint grader (DESIGN.md §3.3) whose score is scripted by the item: `kind` always0
+"""A real endpoint grader (docs/grader-endpoint.md) whose score is scripted by the item: `kind` always0
 scores 0, always1 scores 1, mixed alternates 1, 0, 1, … per item `id` (so any two runs of a
 mixed sample differ). With `hold_from`, gradings of items whose `id` is at least that wait
 until `release` is set: a test can stop a run at a known point."""

@@ -1,4 +1,4 @@
-"""A real tool server for tests (DESIGN.md §3.2), recording every request it receives."""
+"""A real tool server for tests (docs/tool-server.md), recording every request it receives."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every prompt of a step is sampled `group_size` times; a rollout's advantage says how much better
 its reward is than its group's. Groups whose rewards are all equal carry no gradient (every
-advantage would be 0), so they are skipped and counted (`frac_reward_zero_std`, DESIGN.md §5).
+advantage would be 0), so they are skipped and counted (`frac_reward_zero_std`, docs/training.md).
 
 Loss variants (the `loss` option of `x_open_model`):
 - `grpo`: A = (r - mean) / (std + eps), std the sample standard deviation of the group (as TRL);

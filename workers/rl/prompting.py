@@ -1,6 +1,6 @@
 """Chat formatting for rollouts: messages + tool schemas → prompt text → token ids, and the
 token ids to append between model turns without ever re-tokenizing what the model generated
-(token-in/token-out, DESIGN.md §5).
+(token-in/token-out: the tokens sampled are the tokens trained on).
 
 How a conversation is rendered
 - Tools. When the tokenizer's chat template renders the `tools` argument (Qwen2.5 and most

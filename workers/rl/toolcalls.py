@@ -2,7 +2,7 @@
 
 One parser per model family, chosen by `parser_for(model_name)`, and the SAME parser is used by
 training rollouts, evaluation and the variance diagnostic, so a call that counts in one counts
-in all (DESIGN.md §5). A parser never raises on model output: every problem becomes a
+in all (one parser for training, eval and serving). A parser never raises on model output: every problem becomes a
 `ParseIssue` that is counted and shown to the model (`ParsedTurn.error_feedback()`), because
 small models get the syntax wrong often and a rollout must go on, not crash.
 
@@ -88,7 +88,7 @@ class ToolCall:
     call_id: str
     name: str
     arguments: dict[str, Any]
-    arguments_json: str  # what goes into the tool request's "arguments" (DESIGN.md §3.2)
+    arguments_json: str  # what goes into the tool request's "arguments" (docs/tool-server.md)
 
     def to_openai(self) -> dict[str, Any]:
         """The call as an OpenAI `tool_calls` entry (for trajectories and `output_tools`)."""

@@ -1,4 +1,4 @@
-"""Calls to the customer's tool servers during rollouts (DESIGN.md §3.2).
+"""Calls to the customer's tool servers during rollouts (the contract: docs/tool-server.md).
 
 `POST {server_url}` with the tool's headers and
 `{"type": "function_call", "id": "fc_…", "call_id", "name", "arguments": "<JSON string>",

@@ -1,4 +1,4 @@
-"""The GRPO-family trainer (DESIGN.md §1, §5): sample groups of multi-turn rollouts against the
+"""The GRPO-family trainer (docs/training.md): sample groups of multi-turn rollouts against the
 customer's tools, grade them, and update the policy with group-relative advantages. The loop
 reads top to bottom, one step at a time (`Trainer._train_step`):
 

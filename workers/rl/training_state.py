@@ -1,5 +1,5 @@
 """The full state of a training run, saved at step boundaries so that a paused job, or a worker
-killed with SIGKILL, resumes exactly where the last saved state left it (DESIGN.md §5: model,
+killed with SIGKILL, resumes exactly where the last saved state left it (docs/training.md: model,
 optimizer, RNG, step and data position).
 
 A state directory holds

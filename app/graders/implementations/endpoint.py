@@ -1,4 +1,4 @@
-"""`endpoint`: the customer's own HTTP grader (DESIGN.md §3.3, docs/grader-endpoint.md).
+"""`endpoint`: the customer's own HTTP grader (its wire contract: docs/grader-endpoint.md).
 
 POST {url} with the configured headers, a W3C `traceparent` of the rollout's trace
 (app.core.tracing) and `{"sample", "item", "trace_id"}`; the reply is
