@@ -1,13 +1,8 @@
-import re
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
 from app.core.config import Settings
 from workers.celery_app import make_celery
-
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_embedded_defaults_need_no_server(tmp_path, monkeypatch):
@@ -52,9 +47,3 @@ def test_production_refuses_the_development_worker_token():
 def test_worker_token_is_never_printed():
     settings = Settings(_env_file=None, worker_token="very-secret-token")
     assert "very-secret-token" not in repr(settings)
-
-
-def test_readme_lists_every_setting():
-    names = [f"AGENT_RFT_{name.upper()}" for name in Settings.model_fields]
-    missing = [n for n in names if not re.search(rf"`{n}`", README)]
-    assert not missing, f"README's configuration table lacks {missing}"
