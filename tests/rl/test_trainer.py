@@ -18,7 +18,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from app.graders.core import GraderContext
 from app.graders.schemas import Grader
@@ -275,9 +275,10 @@ def test_explicit_hyperparameters_and_open_model_options_are_used():
     absolute = {**reinforcement, "x_open_model": {"learning_rate": 1e-3}}
     absolute_options = TrainingOptions.model_validate(absolute)
     assert resolve_hyperparameters(absolute_options, n_train=40, n_valid=10, seed=1)[0].learning_rate == 1e-3  # overrides
-    with pytest.raises(ValueError, match="batch_size"):
-        resolve_hyperparameters(TrainingOptions.model_validate({"hyperparameters": {"batch_size": 0}}), n_train=4,
-                                n_valid=0, seed=0)
+    with pytest.raises(ValidationError, match="batch_size"):  # the job's schema refuses it first...
+        TrainingOptions.model_validate({"hyperparameters": {"batch_size": 0}})
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):  # ...and so does the config
+        config(batch_size=0).validate()
     with pytest.raises(ValueError, match="no rows"):
         resolve_hyperparameters(TrainingOptions.model_validate({}), n_train=0, n_valid=0, seed=0)
 
