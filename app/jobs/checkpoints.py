@@ -21,7 +21,7 @@ from app.jobs.schemas import method_block
 
 README = "README.md"
 ADAPTER_CONFIG = "adapter_config.json"
-# Where the built-in model names come from outside this service (workers/rl/models.py; the API
+# Where the built-in model names come from outside this service (workers/rl/models/registry.py; the API
 # imports no worker code).
 HUB_IDS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY_MODEL = "tiny-smollm2"
