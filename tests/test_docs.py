@@ -216,3 +216,13 @@ def test_the_checker_finds_made_up_references():
         "symbol app.no_such_package.x",
         "symbol update.made_up",
     ]
+
+
+def test_the_x_open_model_table_lists_every_option():
+    from app.jobs.schemas import OpenModelOptions
+
+    text = CONFIGURATION.read_text()
+    table = text[text.index("## `x_open_model`"):text.index("## Hyperparameters")]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    fields = set(OpenModelOptions.model_fields)
+    assert listed == fields, f"missing {sorted(fields - listed)}, no longer options {sorted(listed - fields)}"
