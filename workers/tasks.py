@@ -228,11 +228,12 @@ class JobRun:
         reinforcement, limit = self.job.method.reinforcement, self.settings.training_processes
         asked = reinforcement.x_open_model.training_processes or limit
         on_gpu = loaded.device.type == "cuda"
-        n = min(asked, limit, torch.cuda.device_count() if on_gpu else limit)
+        gpus = torch.cuda.device_count() if on_gpu else None
+        n = min(asked, limit, gpus or limit)
         if n < asked:
             await hooks.on_event("warn", f"The job asks for {asked} training processes; this worker runs at most "
                                          f"{n} (AGENT_RFT_TRAINING_PROCESSES={limit}"
-                                         f"{f', {torch.cuda.device_count()} GPUs' if on_gpu else ''}).",
+                                         f"{f', {gpus} GPUs' if on_gpu else ''}).",
                                  {"asked": asked, "training_processes": n})
         if n == 1:
             return None

@@ -136,22 +136,11 @@ def test_a_rank_with_nothing_to_train_this_step_still_takes_the_step(tmp_path: P
         torch.testing.assert_close(rank0.weights()[name], weight, rtol=1e-4, atol=1e-5)
 
 
-def test_a_follower_killed_mid_step_is_named_with_its_signal(tmp_path: Path):
-    processes = two_processes(tmp_path, follow_then_die, "lora")
-    try:
-        rank0 = Stepper("lora", processes.group)
-        processes.group.command("step", [sequences(), []], 10)
-        started = time.monotonic()
-        with pytest.raises(RankLost) as lost:
-            rank0.step([sequences(), []], 10)
-        assert time.monotonic() - started < 30  # noticed from the closed connection, not a 60 s timeout
-    finally:
-        processes.stop()
-    assert lost.value.rank == 1 and "SIGKILL" in lost.value.reason
-
-
-def test_a_follower_that_hangs_is_noticed_within_the_timeout(tmp_path: Path):
-    processes = two_processes(tmp_path, follow_then_hang, "lora", timeout_s=5)
+def step_with_a_failing_follower(tmp_path: Path, follow, timeout_s: float  # noqa: ANN001
+                                 ) -> tuple[RankLost, float, TrainingProcesses]:
+    """Rank 0's step while rank 1 `follow`s badly: the RankLost it raised, the seconds it took to
+    raise it, and the (stopped) processes."""
+    processes = two_processes(tmp_path, follow, "lora", timeout_s=timeout_s)
     try:
         rank0 = Stepper("lora", processes.group)
         processes.group.command("step", [sequences(), []], 10)
@@ -161,6 +150,17 @@ def test_a_follower_that_hangs_is_noticed_within_the_timeout(tmp_path: Path):
         waited = time.monotonic() - started
     finally:
         processes.stop(timeout_s=1)
+    return lost.value, waited, processes
+
+
+def test_a_follower_killed_mid_step_is_named_with_its_signal(tmp_path: Path):
+    lost, waited, _ = step_with_a_failing_follower(tmp_path, follow_then_die, timeout_s=60)
+    assert waited < 30  # noticed from the closed connection, not the 60 s timeout
+    assert lost.rank == 1 and "SIGKILL" in lost.reason
+
+
+def test_a_follower_that_hangs_is_noticed_within_the_timeout(tmp_path: Path):
+    lost, waited, processes = step_with_a_failing_follower(tmp_path, follow_then_hang, timeout_s=5)
     assert 4 < waited < 30  # the group's timeout (5 s), plus the look at the processes
-    assert lost.value.rank is None and "no answer within 5 s" in lost.value.reason
+    assert lost.rank is None and "no answer within 5 s" in lost.reason
     assert not any(p.is_alive() for p in processes.processes)  # stop() ended the hung process

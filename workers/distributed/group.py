@@ -30,7 +30,6 @@ class TrainingGroup(Protocol):
     rank: int
     world_size: int
 
-    def broadcast(self, obj: Any) -> Any: ...  # rank 0's object, on every rank
     def command(self, name: str, *args: Any) -> None: ...  # rank 0: the followers run `name(*args)` too
     def gather(self, obj: Any) -> list[Any] | None: ...  # every rank's object, on rank 0 (None elsewhere)
     def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None: ...  # summed over ranks
@@ -41,9 +40,6 @@ class OneProcess:
     """A job trained in one process."""
 
     rank, world_size = 0, 1
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
 
     def command(self, name: str, *args: Any) -> None:
         return None
@@ -93,13 +89,6 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as exc:  # DistBackendError, DistNetworkError, a gloo timeout
             lost = self.describe_loss() if self.describe_loss else None
             raise (lost or RankLost(None, f"a collective failed: {exc}")) from exc
-
-    def broadcast(self, obj: Any) -> Any:
-        import torch.distributed as dist
-
-        box = [obj if self.rank == 0 else None]
-        self._guarded(lambda: dist.broadcast_object_list(box, src=0, group=self.objects))
-        return box[0]
 
     def command(self, name: str, *args: Any) -> None:
         import torch.distributed as dist
