@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -11,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from app.auth.service import Principal, authenticate
+from app.core.bearer import bearer_token, same_secret
 from app.core.config import Settings
 from app.core.db import session_scope
 from app.core.errors import APIError
@@ -37,7 +37,6 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 
 def _current_key(request: Request, session: SessionDep) -> Principal:
     header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
     if not header:
         raise APIError(
             401,
@@ -45,7 +44,8 @@ def _current_key(request: Request, session: SessionDep) -> Principal:
             code="missing_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    principal = authenticate(session=session, secret=token.strip()) if scheme.lower() == "bearer" else None
+    token = bearer_token(header)
+    principal = authenticate(session=session, secret=token) if token is not None else None
     if principal is None:
         raise APIError(
             401,
@@ -76,5 +76,5 @@ def require_worker(
         raise APIError(401, "This API is for workers: send 'Authorization: Bearer <AGENT_RFT_WORKER_TOKEN>'.",
                        code="missing_worker_token", headers=challenge)
     expected = request.app.state.settings.worker_token.get_secret_value()
-    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
+    if not same_secret(credentials.credentials, expected):
         raise APIError(401, "Incorrect worker token.", code="invalid_worker_token", headers=challenge)

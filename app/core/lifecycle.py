@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from sqlalchemy import DateTime, String, or_, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from app.core.bearer import same_secret
 from app.core.db import utcnow
 from app.core.errors import APIError, conflict, not_found
 from app.core.ids import new_id
@@ -80,10 +80,6 @@ def _aware(ts: datetime | None) -> datetime | None:
     return ts.replace(tzinfo=timezone.utc) if ts is not None and ts.tzinfo is None else ts
 
 
-def _same_secret(stored: str | None, given: str) -> bool:
-    return stored is not None and hmac.compare_digest(stored.encode(), given.encode())
-
-
 class LeasedRun:
     """Mixin of a table whose rows workers run under a lease. `kind` names a row in lease errors
     ("job"), `noun` in a 404 ("fine-tuning job"), `id_param` the request field that carries its id."""
@@ -110,11 +106,11 @@ class LeasedRun:
         return self.lease_id is not None and expires is not None and expires > now
 
     def holds_lease(self, lease_id: str) -> bool:
-        return _same_secret(self.lease_id, lease_id)
+        return same_secret(self.lease_id, lease_id)
 
     def gave_back(self, lease_id: str) -> bool:
         """`lease_id` is the lease the last finish call released (a retried finish)."""
-        return _same_secret(self.released_lease_id, lease_id)
+        return same_secret(self.released_lease_id, lease_id)
 
     def grant_lease(self, worker_id: str, seconds: float, now: datetime) -> None:
         """A new lease, or the same one extended when `worker_id` already holds it (a retried claim)."""

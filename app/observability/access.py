@@ -4,9 +4,9 @@ API and the inference server both ask `metrics_refusal`."""
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 
+from app.core.bearer import bearer_token, same_secret
 from app.core.config import Settings
 from app.core.errors import APIError
 
@@ -21,17 +21,11 @@ def is_loopback(host: str | None) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _bearer(authorization: str | None) -> str | None:
-    scheme, _, token = (authorization or "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 def metrics_refusal(settings: Settings, *, authorization: str | None, client_host: str | None) -> APIError | None:
     """None when the scrape may go on; else the error to answer (401 or 403)."""
     expected = settings.metrics_token.get_secret_value() if settings.metrics_token else ""
     if expected:
-        given = _bearer(authorization)
-        if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        if not same_secret(bearer_token(authorization), expected):
             return APIError(401, "Send 'Authorization: Bearer <AGENT_RFT_METRICS_TOKEN>' to read /metrics.",
                             code="invalid_metrics_token", headers={"WWW-Authenticate": "Bearer"})
         return None

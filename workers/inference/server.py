@@ -18,7 +18,6 @@ tool-call parser.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.core.bearer import bearer_token, same_secret
 from app.core.config import Settings
 from app.core.errors import error_body
 from app.observability.access import metrics_refusal
@@ -77,7 +77,7 @@ def generation_backend(settings: Settings, *, preload: bool = True) -> Generatio
 
 def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     backend = generation_backend(settings, preload=preload)
-    token = settings.worker_token.get_secret_value().encode()
+    token = settings.worker_token.get_secret_value()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -89,8 +89,7 @@ def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI
     app.state.backend = backend
 
     def authorized(request: Request) -> bool:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
+        return same_secret(bearer_token(request.headers.get("authorization")), token)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
