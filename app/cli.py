@@ -440,6 +440,9 @@ def chat_command(
     message: Annotated[str | None, typer.Option("--message", "-m", help="Ask this once and exit (default: a conversation).")] = None,
     tools: Annotated[Path | None, typer.Option("--tools", help="JSON list of tool schemas; the model's tool calls are shown.")] = None,
     system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
+    tool_choice: Annotated[str | None, typer.Option(
+        "--tool-choice", help="auto, none, required, or a tool's name: the model's first answer to each message "
+                              "then calls it (OpenAI's tool_choice).")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 256,
     temperature: Annotated[float, typer.Option(min=0, max=2)] = 0.0,
     base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None,
@@ -450,7 +453,8 @@ def chat_command(
 
     schemas = _client_call(lambda: read_tools(tools)) if tools else []
     _client_call(lambda: chat(_client(base_url, api_key), model, tools=schemas, system=system, message=message,
-                              max_tokens=max_tokens, temperature=temperature, echo=typer.echo, ask=input))
+                              max_tokens=max_tokens, temperature=temperature, echo=typer.echo, ask=input,
+                              tool_choice=tool_choice))
 
 
 diagnostics_cli = typer.Typer(help="Variance diagnostics on an agent-rft server (docs/diagnostics.md).",

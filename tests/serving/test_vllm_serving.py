@@ -29,7 +29,7 @@ from workers.rl.vllm_sampler import VLLMSampler
 TOKEN = "vllm-serving-token"
 QUESTION = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Name three colours of the rainbow."}]
-AGENT_QUESTION = [  # with a worked example, SmolLM2 calls the tool (once)
+AGENT_QUESTION = [  # a worked example: the call syntax the model continues when a call is forced
     {"role": "system", "content": 'You have a tool named search. Example:\nUser: What was Foo Corp revenue in 2021?\n'
                                   'Assistant: <tool_call>{"name": "search", "arguments": {"query": "Foo Corp revenue '
                                   '2021"}}</tool_call>'},
@@ -127,18 +127,21 @@ def test_streaming_gives_the_same_answer_and_tool_calls(on_vllm: Served):
     assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == whole
     assert len([e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]) > 3  # token by token
     assert events[-1]["usage"]["completion_tokens"] == 24
-    # Sampled, a few tries: whether SmolLM2's greedy answer is a call depends on the CPU's kernels
-    # (on an AMX Xeon it answers in prose); at 0.7 most of its answers to this prompt are calls.
-    for _ in range(8):
-        called = stream(on_vllm, {"messages": AGENT_QUESTION, "max_tokens": 40, "temperature": 0.7, "stream": True,
-                                  "tools": [SEARCH]}, checkpoint=None)
-        calls = [c["delta"]["tool_calls"] for e in called for c in e["choices"] if c["delta"].get("tool_calls")]
-        if calls:
-            break
-    assert calls and calls[0][0]["function"]["name"] == "search", called
-    assert "ACME" in json.loads(calls[0][0]["function"]["arguments"])["query"]
-    assert called[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    assert not any("<tool_call>" in (c["delta"].get("content") or "") for e in called for c in e["choices"])
+    # A call forced by name (whether SmolLM2 calls on its own depends on the CPU's kernels): streamed,
+    # it is the call the whole answer holds, in OpenAI's shape, whatever arguments the model wrote.
+    called = {"messages": AGENT_QUESTION, "max_tokens": 40, "temperature": 0, "tools": [SEARCH],
+              "tool_choice": {"type": "function", "function": {"name": "search"}}}
+    answer = on_vllm.ask(called).json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls", answer
+    (call,) = answer["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "search"
+    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    events = stream(on_vllm, {**called, "stream": True}, checkpoint=None)
+    calls = [c["delta"]["tool_calls"] for e in events for c in e["choices"] if c["delta"].get("tool_calls")]
+    assert [(d[0]["function"]["name"], d[0]["function"]["arguments"]) for d in calls] == [
+        ("search", call["function"]["arguments"])]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any("<tool_call>" in (c["delta"].get("content") or "") for e in events for c in e["choices"])
 
 
 def stream(on_vllm: Served, request: dict, checkpoint: Path | None | bool = True) -> list[dict]:
