@@ -101,8 +101,10 @@ timed "the CPU kernels" .venv/bin/python -m workers.rl.cpu_kernels
 print_stages
 PYTEST_STARTED_MS=$(date +%s%3N)
 # pytest exits 5 when it collected no tests: that is a failure here too (its status is this script's).
+# Two pytest processes (pytest-xdist): most end-to-end time is spent waiting on other processes
+# (workers, inference servers, vLLM). AGENT_RFT_TEST_PROCESSES=1 runs the suite in one.
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n "${AGENT_RFT_TEST_PROCESSES:-2}" --dist loadgroup "$@"
 status=$?
 set -e
 print_stages

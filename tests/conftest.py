@@ -40,6 +40,19 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("AGENT_RFT_SECRET_KEYS", Fernet.generate_key().decode())
 
 
+# The modules that talk to the run's one vLLM server (the session fixture `vllm_server`).
+VLLM_MODULES = {"tests.test_vllm_e2e", "tests.serving.test_vllm_serving", "tests.rl.test_vllm_sampler"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) a module's tests stay on
+    one process, so a module-scoped stack (a trained job, a live server) is built once; the modules
+    that use vLLM share one process, so one vLLM server serves them all."""
+    for item in items:
+        module = item.module.__name__ if item.module else item.nodeid
+        item.add_marker(pytest.mark.xdist_group("vllm" if module in VLLM_MODULES else module))
+
+
 @contextmanager
 def fresh_pg_database() -> Iterator[str]:
     """A new, empty PostgreSQL database, dropped afterwards."""
