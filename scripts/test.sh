@@ -104,7 +104,7 @@ PYTEST_STARTED_MS=$(date +%s%3N)
 # Two pytest processes (pytest-xdist): most end-to-end time is spent waiting on other processes
 # (workers, inference servers, vLLM). AGENT_RFT_TEST_PROCESSES=1 runs the suite in one.
 set +e
-.venv/bin/python -m pytest -n "${AGENT_RFT_TEST_PROCESSES:-2}" --dist loadgroup "$@"
+.venv/bin/python -m pytest -n "${AGENT_RFT_TEST_PROCESSES:-2}" "$@"
 status=$?
 set -e
 print_stages

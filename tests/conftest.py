@@ -40,17 +40,29 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("AGENT_RFT_SECRET_KEYS", Fernet.generate_key().decode())
 
 
-# The modules that talk to the run's one vLLM server (the session fixture `vllm_server`).
-VLLM_MODULES = {"tests.test_vllm_e2e", "tests.serving.test_vllm_serving", "tests.rl.test_vllm_sampler"}
+# The test files that talk to the run's one vLLM server (the session fixture `vllm_server`).
+VLLM_FILES = ("tests/rl/test_vllm_sampler.py", "tests/serving/test_vllm_serving.py", "tests/test_vllm_e2e.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist (scripts/test.sh runs two processes) hands out whole test files, so a
+    module-scoped stack (a trained job, a live server) is built once; the vLLM files go to one
+    process together, so one vLLM server serves them all."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm" if path in VLLM_FILES else path
+
+    return ByFile(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) a module's tests stay on
-    one process, so a module-scoped stack (a trained job, a live server) is built once; the modules
-    that use vLLM share one process, so one vLLM server serves them all."""
-    for item in items:
-        module = item.module.__name__ if item.module else item.nodeid
-        item.add_marker(pytest.mark.xdist_group("vllm" if module in VLLM_MODULES else module))
+    """The vLLM files first: together they are the longest unit of work, which should not be the
+    last one left running on one process while the other idles."""
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in VLLM_FILES)
 
 
 @contextmanager
