@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import openai
+import psycopg
 import pytest
 
 from app.core.config import Settings
@@ -73,9 +74,13 @@ def test_a_killed_follower_is_named_and_the_job_resumes_from_its_last_saved_step
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
             celery_worker(two_process_settings, base) as (worker, log):
         job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=1)
-        # Mid-step: the step's rollouts are reported, its training state not yet saved.
-        wait_for(lambda: unsaved_steps(pg_url, job_id) and followers_of(worker.pid), timeout=180, interval=0.01)
-        os.kill(followers_of(worker.pid)[0], signal.SIGKILL)
+        # Mid-step: the step's rollouts are reported, its training state not yet saved. That window
+        # can be a few milliseconds on a busy machine: find rank 1 first, then poll one open
+        # connection, nothing slower.
+        (follower,) = wait_for(lambda: followers_of(worker.pid), timeout=180, interval=0.05)
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            wait_for(lambda: unsaved_steps(conn, job_id), timeout=180, interval=0.001)
+        os.kill(follower, signal.SIGKILL)
         wait_for(lambda: any("rank 1" in e.message for e in events_of(sdk, job_id)), timeout=120, interval=0.3)
         wait_for(lambda: status_of(sdk, job_id) in ("succeeded", "failed"), timeout=300, interval=0.5)
         assert status_of(sdk, job_id) == "succeeded", log.read_text()[-3000:]

@@ -180,12 +180,14 @@ def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(traini
         assert_each_step_once(sdk, pg_url, job_id)
 
 
-def unsaved_steps(pg_url: str, job_id: str) -> list[int]:
-    """Steps whose rollouts are stored past the job's saved training state."""
-    with psycopg.connect(pg_url) as conn:
-        return [s for (s,) in conn.execute(
-            "SELECT DISTINCT r.step FROM job_rollouts r JOIN jobs j ON j.id = r.job_id "
-            "WHERE r.job_id = %s AND r.step > j.completed_steps", (job_id,))]
+def unsaved_steps(pg: str | psycopg.Connection, job_id: str) -> list[int]:
+    """Steps whose rollouts are stored past the job's saved training state. `pg` is a URL, or an
+    open autocommit connection for a test that polls fast (a step's unsaved window can be short)."""
+    if isinstance(pg, str):
+        with psycopg.connect(pg) as conn:
+            return unsaved_steps(conn, job_id)
+    return [s for (s,) in pg.execute("SELECT DISTINCT r.step FROM job_rollouts r JOIN jobs j ON j.id = r.job_id "
+                                     "WHERE r.job_id = %s AND r.step > j.completed_steps", (job_id,))]
 
 
 def assert_each_step_once(sdk: openai.OpenAI, pg_url: str, job_id: str) -> None:
