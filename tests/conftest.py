@@ -42,13 +42,24 @@ os.environ.setdefault("AGENT_RFT_SECRET_KEYS", Fernet.generate_key().decode())
 
 # The test files that talk to the run's one vLLM server (the session fixture `vllm_server`).
 VLLM_FILES = ("tests/rl/test_vllm_sampler.py", "tests/serving/test_vllm_serving.py", "tests/test_vllm_e2e.py")
+# The files that take longest (pytest's --durations on 2 cores), started first after the vLLM files so
+# that neither pytest process is left running one of them alone at the end. A file not listed here
+# still runs, in collection order after these.
+LONGEST_FILES = (
+    "tests/test_supervised_e2e.py", "tests/test_training_e2e.py", "tests/serving/test_chat_e2e.py",
+    "tests/test_demo.py", "tests/test_readme_example.py", "tests/test_distributed_e2e.py",
+    "tests/test_slim_install.py", "tests/test_fuzz.py", "tests/rl/test_trainer.py", "tests/test_wandb_integration.py",
+    "tests/diagnostics/test_e2e.py", "tests/rl/test_rollout.py", "tests/rl/test_models.py",
+)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist (scripts/test.sh runs two processes) hands out whole test files, so a
     module-scoped stack (a trained job, a live server) is built once; the vLLM files go to one
-    process together, so one vLLM server serves them all."""
+    process together, so one vLLM server serves them all. Files are handed out in collection order
+    (see pytest_collection_modifyitems), not xdist's default of the most tests first, which leaves
+    the long one-test end-to-end files for last."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
@@ -56,13 +67,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             path = nodeid.split("::", 1)[0]
             return "vllm" if path in VLLM_FILES else path
 
+    config.option.loadscopereorder = False
     return ByFile(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM files first: together they are the longest unit of work, which should not be the
-    last one left running on one process while the other idles."""
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in VLLM_FILES)
+    """The vLLM files first (together, the longest unit of work), then the longest files, then the
+    rest as collected."""
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        if path in VLLM_FILES:
+            return 0
+        return 1 + LONGEST_FILES.index(path) if path in LONGEST_FILES else 1 + len(LONGEST_FILES)
+
+    items.sort(key=rank)
 
 
 @contextmanager
