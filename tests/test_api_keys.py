@@ -1,4 +1,4 @@
-"""API keys as an operator manages them (issue 18, item 8): listed by the CLI with their prefix
+"""API keys as an operator manages them: listed by the CLI with their prefix
 and dates but never the secret, revoked, given an expiry; a revoked or expired key answers 401
 at once; and the per-key request rate limit on /v1, answered 429 with Retry-After."""
 

@@ -1,4 +1,4 @@
-"""Fuzzing (issue 18): schemathesis generates requests for every /v1 operation of the OpenAPI
+"""Fuzzing: schemathesis generates requests for every /v1 operation of the OpenAPI
 schema the live app serves, valid ones and invalid ones, with real ids in the paths, and no
 answer may be a 5xx. Bounded: MAX_EXAMPLES per operation and mode, no shrinking (the first
 failing request of each operation is reported as a curl command), about a minute in all."""

@@ -1,4 +1,4 @@
-"""Input limits (issue 18, items 1 and 3; docs/security.md, "Input limits"): a NUL character in
+"""Input limits (docs/security.md, "Input limits"): a NUL character in
 any string that would reach PostgreSQL (the path, the query, a form field, a JSON string) is a
 400 naming where it was, never psycopg's DataError as a 500; JSON nested deeper than
 MAX_JSON_DEPTH is a 400 for a request body and a line-numbered error for a JSONL row."""

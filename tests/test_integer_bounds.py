@@ -1,4 +1,4 @@
-"""Query numbers beyond what an INTEGER column holds (issue 18, item 2): a clear 400 naming the
+"""Query numbers beyond what an INTEGER column holds: a clear 400 naming the
 parameter, never PostgreSQL's "integer out of range" as a 500; at the bound they still work."""
 
 from __future__ import annotations

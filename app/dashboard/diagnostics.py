@@ -1,4 +1,4 @@
-"""What the variance pages read: diagnostics (app/diagnostics, issue 7's models and result shape,
+"""What the variance pages read: diagnostics (app/diagnostics: their models and result shape;
 docs/diagnostics.md) and their rollouts, scoped to the viewer's project."""
 
 from __future__ import annotations

@@ -342,7 +342,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# Issue 33's targets, after RFT against the starting agent: relative changes, and points of correct answers.
+# The demo's targets, after RFT against the starting agent: relative changes, and points of correct answers.
 TARGETS = (("tool calls per rollout", "tool_calls_per_rollout", -0.50), ("tokens per rollout", "tokens_per_rollout", -0.35),
            ("seconds per rollout", "seconds_per_rollout", -0.20))
 CORRECT_TARGET_POINTS = 10

@@ -154,7 +154,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], *, temperatu
 
 
 def token_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
-    """The update's forward as it was before issue 15 (commit 853212f, workers/rl/trainer.py): the
+    """The update's forward as it was before the engine's speed-ups (commit 853212f, workers/rl/trainer.py): the
     vocabulary projection and log-softmax on every position any row of the micro-batch samples at,
     for every row, and LoRA adapters run in float32 (peft's cast of every activation)."""
     output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

@@ -1,5 +1,5 @@
-"""Demo training steps, the engine before issue 15 against this checkout's, in one run (issue 15's
-first target).
+"""Demo training steps, the engine before its speed-ups against this checkout's, in one run (the
+speed-ups' first target).
 
 The baseline is the commit before the first engine change (BASELINE_REV), checked out in a
 temporary git worktree. Each measurement is a subprocess that imports everything (workers, app,
@@ -37,7 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "engine_demo_step.json"
-BASELINE_REV = "acc9350"  # the last commit before issue 15's engine changes
+BASELINE_REV = "acc9350"  # the last commit before the engine's speed-ups
 
 
 def child(steps: int) -> dict[str, Any]:

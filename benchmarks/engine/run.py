@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 15), old and new paths interleaved in one run, medians.
+"""Engine benchmark: the training engine's old and new paths interleaved in one run, medians.
 
 On the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16, LoRA B not zero:
 - sampling with a contiguous input to the output layer (workers/rl/models.py

@@ -7,7 +7,7 @@ answers after 200 ms, on the tiny model.
       the same run) + one rollout's chain of tool latencies (calls x latency). Rollouts that follow
       the same script move in lockstep, so no schedule beats generating while nobody waits plus
       waiting while nobody generates by much; (a) / (c) is the engine's overhead over that.
-      (Until issue 15 the bound was a separate run's generation time against an instant tool
+      (Before the engine's speed-ups the bound was a separate run's generation time against an instant tool
       server: other batch shapes, and it came out larger than (a) itself.)
 Target: (a) at least 5x faster than (b), and within 1.3x of (c).
 

@@ -1,4 +1,4 @@
-"""Tool backpressure and the tool-result cache on one GRPO step (issue 19's benchmark).
+"""Tool backpressure and the tool-result cache on one GRPO step.
 
 A step of 8 prompts x 8 rollouts (64 rollouts, the 8 of a prompt share its questions, as a GRPO
 group does) against a local `search` tool that answers after 100 ms and allows 20 requests/s: a
@@ -62,7 +62,7 @@ from fastapi import Request  # module level: the handler's annotation is resolve
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "tools.json"
-BASELINE_REV = "be701d8"  # the last commit before issue 19's backpressure and cache
+BASELINE_REV = "be701d8"  # the last commit before tool backpressure and the cache
 PROMPTS, GROUP, CALLS = 8, 8, 3
 LATENCY_S, RATE_PER_S = 0.1, 20
 CONFIGS = {  # name -> (tree: "baseline" or "new", extra fields of the tool's entry, rate-limited server)

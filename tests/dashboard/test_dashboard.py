@@ -123,7 +123,7 @@ def test_another_projects_job_is_not_found_anywhere(client, settings, running_jo
 
 
 def test_a_service_error_is_a_page_on_the_dashboard_and_stays_json_on_the_api(client, api, settings, running_job):
-    """Issue 17, item 5: one APIError handler answers the dashboard's routes as they mean it (the
+    """One APIError handler answers the dashboard's routes as they mean it (the
     not-found page, the poll's short JSON error) and leaves every other route the API's JSON."""
     other = make_project(settings)
     login(client, other["key"])
@@ -416,7 +416,7 @@ def test_transcript_shows_turns_tool_calls_grades_and_the_trace_id(client, proje
     assert page.status_code == 200
     html = page.text
     assert '<code id="trace-id">trace_s1_r0</code>' in html
-    from app.core.tracing import w3c_trace_id  # the traceparent its requests carried (issue 19)
+    from app.core.tracing import w3c_trace_id  # the traceparent its requests carried
     assert f"traceparent: 00-{w3c_trace_id('trace_s1_r0')}-&lt;span id&gt;-01" in html
     assert html.count('class="msg tool-call') == 2 and "assistant · turn 3" in html
     assert html.index("<strong class=\"tool-name\">search") < html.index("<strong class=\"tool-name\">cat")
@@ -508,7 +508,7 @@ def test_variance_report_lists_samples_sorted_by_class_and_opens_their_runs(clie
 
 
 def test_numbers_beyond_an_integer_column_are_reported_not_a_500(client, project, running_job, worker):
-    """Issue 18, item 2: the rollout filters and the chart poll with numbers PostgreSQL's INTEGER
+    """The rollout filters and the chart poll with numbers PostgreSQL's INTEGER
     cannot hold; the page says what is wrong, the poll answers 400."""
     report_steps(worker, running_job, range(1, 2), total=1)
     login(client, project["key"])

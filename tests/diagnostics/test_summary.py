@@ -118,7 +118,7 @@ def test_load_projection_formula():
 
 
 def test_the_load_projection_counts_the_calls_the_cache_saves():
-    """Issue 19: 1 of the 4 search calls came from the tool-result cache: 48 calls a step, 12 saved."""
+    """1 of the 4 search calls came from the tool-result cache: 48 calls a step, 12 saved."""
     data = [rollout(0, 0, 1.0, calls=[("search", "ok", 1), ("search", "ok", 2)])["data"],
             rollout(0, 1, 0.0, calls=[("search", "ok", 1), ("search", "ok", 2)])["data"]]
     data[1]["tool_calls"][0]["cached"] = True
@@ -130,7 +130,7 @@ def test_the_load_projection_counts_the_calls_the_cache_saves():
 
 
 def test_the_verdict_warns_when_training_would_exceed_a_tools_rate_limit():
-    """Issue 19: 32 rollouts a step × 1.5 search calls in a 0.5 s rollout ≈ 96 requests/s against a
+    """32 rollouts a step × 1.5 search calls in a 0.5 s rollout ≈ 96 requests/s against a
     rate_limit of 20/s: the step would queue for 48 / 20 = 2.4 s of search calls."""
     rows = []
     for run in range(2):

@@ -1,4 +1,4 @@
-"""Backpressure, not failure (issue 19): a tool server on 127.0.0.1 that answers 429/503 with
+"""Backpressure, not failure: a tool server on 127.0.0.1 that answers 429/503 with
 Retry-After is waited out without spending retries, and the tool's concurrency adapts (AIMD),
 as the server itself observes it. No mocks of the client: real HTTP, real waits."""
 
