@@ -10,12 +10,15 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # How long each set-up stage took, printed before pytest starts and again, with the total, at the end.
 STARTED_MS=$(date +%s%3N)
 STAGE_LINES=()
+elapsed_line() {  # elapsed_line "name" START_MS: the name and the seconds since START_MS
+  printf '  %-34s %7.1f s' "$1" "$(( $(date +%s%3N) - $2 ))e-3"
+}
 timed() {  # timed "stage name" command...
   local name=$1 began
   shift
   began=$(date +%s%3N)
   "$@"
-  STAGE_LINES+=("$(printf '  %-34s %7.1f s' "$name" "$(( $(date +%s%3N) - began ))e-3")")
+  STAGE_LINES+=("$(elapsed_line "$name" "$began")")
 }
 print_stages() {
   echo "scripts/test.sh set-up stages:"
@@ -108,6 +111,6 @@ set +e
 status=$?
 set -e
 print_stages
-printf '  %-34s %7.1f s\n' "pytest" "$(( $(date +%s%3N) - PYTEST_STARTED_MS ))e-3"
-printf '  %-34s %7.1f s\n' "total" "$(( $(date +%s%3N) - STARTED_MS ))e-3"
+elapsed_line "pytest" "$PYTEST_STARTED_MS"; echo
+elapsed_line "total" "$STARTED_MS"; echo
 exit "$status"

@@ -53,6 +53,11 @@ LONGEST_FILES = (
 )
 
 
+def file_of(nodeid: str) -> str:
+    """The file part of a test's node id ("tests/x.py::test_y[1]" -> "tests/x.py")."""
+    return nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist (scripts/test.sh runs two processes) hands out whole test files, so a
@@ -64,7 +69,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
+            path = file_of(nodeid)
             return "vllm" if path in VLLM_FILES else path
 
     config.option.loadscopereorder = False
@@ -75,7 +80,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The vLLM files first (together, the longest unit of work), then the longest files, then the
     rest as collected."""
     def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
+        path = file_of(item.nodeid)
         if path in VLLM_FILES:
             return 0
         return 1 + LONGEST_FILES.index(path) if path in LONGEST_FILES else 1 + len(LONGEST_FILES)
