@@ -33,7 +33,7 @@ def chat_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]],
               max_tokens: int, temperature: float, echo: Echo, tool_choice: str | None = None) -> dict[str, Any]:
     """Stream one answer to the terminal; return it as an assistant message (tool calls included)."""
     kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-    if tools and tool_choice:
+    if tool_choice:  # sent even without tools: the server then names what is wrong with it
         kwargs["tool_choice"] = as_tool_choice(tool_choice)
     content, calls, finish = [], {}, None
     with api_errors():

@@ -401,6 +401,9 @@ def test_agent_rft_chat_shows_answers_and_tool_calls(trained: Trained, tmp_path:
     assert talked.returncode == 0, talked.stderr
     finishes = [line for line in talked.stdout.splitlines() if line.startswith("[finish_reason: ")]
     assert len(finishes) == 2 and set(finishes) <= {"[finish_reason: length]", "[finish_reason: stop]"}  # two answers
+    toolless = subprocess.run([*cli, SMOLLM2, "--tool-choice", "search", "-m", "hi"], capture_output=True, text=True,
+                              timeout=60)  # a forced call without --tools: the server's clear error, not ignored
+    assert toolless.returncode == 1 and "tool_choice" in toolless.stderr + toolless.stdout
     unknown = subprocess.run([*cli, "ft:nope", "-m", "hi"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 1 and "model_not_found" in unknown.stderr + unknown.stdout
 
