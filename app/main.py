@@ -6,9 +6,11 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.core.admission import DatabaseTurns
 from app.core.config import Settings, get_settings
 from app.core.crypto import secret_box
 from app.core.db import make_engine, make_session_factory
@@ -66,11 +68,14 @@ class UploadLimit:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     secret_box(settings)  # no key to seal stored secrets with: refuse to start (SecretKeysMissing says why)
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         ensure_schema(engine, auto_migrate=settings.auto_migrate)
+        # The threads that run synchronous routes and database work (docs/operations.md, "Under load").
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         state = app.state
         # Finish what a previous process left half done, without delaying start-up.
         threading.Thread(
@@ -112,6 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.database_turns = DatabaseTurns(settings.resolved_api_db_requests, settings.api_queue_timeout_s)
     app.state.storage = LocalStorage(settings.resolved_storage_dir)
     app.state.queue = JobQueue(settings)
     app.state.rate_limiter = (KeyRateLimiter(settings.api_rate_limit, settings.api_rate_limit_storage)
@@ -132,7 +138,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics_router)  # GET /metrics for Prometheus (docs/observability.md)
 
     @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
+        """Liveness: answered on the event loop, never behind the database or the thread pool."""
         return {"status": "ok"}
 
     return app

@@ -13,6 +13,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.graders.isolation import DEFAULT_OUTSIDE_EMBEDDED, PythonIsolation
 
 DEV_WORKER_TOKEN = "dev-worker-token-change-me"
+# Connections of an API process's pool left to its background threads (the lease watchdog, the
+# webhook sweeper and dispatch, start-up recovery), which use one each at most.
+BACKGROUND_CONNECTIONS = 4
 
 
 class Settings(BaseSettings):
@@ -149,6 +152,23 @@ class Settings(BaseSettings):
         "memory://",
         description="Where the rate limit counts live: `memory://` counts per API process; a `redis://host:port/db` URL shares one count across API processes.",
     )
+    db_pool_size: int = Field(
+        10, ge=1, description="Database connections each API process keeps open (SQLAlchemy's `pool_size`).",
+    )
+    db_max_overflow: int = Field(
+        20, ge=0, description="Connections an API process may open beyond `db_pool_size` under load, closed again when returned. One API process opens at most `db_pool_size + db_max_overflow`: keep N processes' total under PostgreSQL's `max_connections` (docs/operations.md).",
+    )
+    api_db_requests: int | None = Field(
+        None, ge=1,
+        description="Most requests of one API process that use the database at once; the others wait for a turn without holding a thread or a connection. Unset: `db_pool_size + db_max_overflow` less the 4 connections kept for the background loops. At most that, so that no request ever waits for a connection (docs/operations.md).",
+    )
+    api_queue_timeout_s: float = Field(
+        10.0, gt=0, le=300,
+        description="Longest a request waits for its turn at the database; past it the answer is 503 `server_busy` with `Retry-After`.",
+    )
+    api_threads: int = Field(
+        40, ge=1, le=1000, description="Threads of an API process that run its synchronous routes and database work.",
+    )
     dashboard_secret: SecretStr | None = Field(
         None,
         description="Key that signs the dashboard's session cookies; unset: derived from AGENT_RFT_WORKER_TOKEN.",
@@ -246,6 +266,26 @@ class Settings(BaseSettings):
         if self.environment == "production" and self.worker_token.get_secret_value() == DEV_WORKER_TOKEN:
             raise ValueError("AGENT_RFT_WORKER_TOKEN must be set to a secret value in production")
         return self
+
+    @model_validator(mode="after")
+    def _fit_database_requests_in_the_pool(self) -> "Settings":
+        if self.api_db_requests is not None and self.api_db_requests > self.db_pool_capacity:
+            raise ValueError(f"AGENT_RFT_API_DB_REQUESTS ({self.api_db_requests}) exceeds the connections an API "
+                             f"process may open (db_pool_size + db_max_overflow = {self.db_pool_capacity}): a request "
+                             "would wait for a connection while holding a thread")
+        return self
+
+    @property
+    def db_pool_capacity(self) -> int:
+        """The most connections one process's pool opens."""
+        return self.db_pool_size + self.db_max_overflow
+
+    @property
+    def resolved_api_db_requests(self) -> int:
+        """The requests that may use the database at once: the pool, less what the background loops use."""
+        if self.api_db_requests is not None:
+            return self.api_db_requests
+        return max(1, self.db_pool_capacity - BACKGROUND_CONNECTIONS)
 
     @property
     def resolved_database_url(self) -> str:

@@ -87,9 +87,11 @@ def unix(ts: datetime | None) -> int | None:
     return int(ts.timestamp())
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+    """An engine whose pool opens at most `pool_size + max_overflow` connections (both kinds of database)."""
+    pool = {"pool_size": pool_size, "max_overflow": max_overflow}
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # noqa: ANN001
@@ -100,21 +102,20 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, **pool)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 
 
-def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """One transaction per request: commit on success, roll back on any error."""
-    session = factory()
+def end_session(session: Session, *, commit: bool) -> None:
+    """Commit (or roll back) and close: the connection goes back to the pool from the thread that
+    ran this, and the session can be used no more."""
     try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
+        if commit:
+            session.commit()
+        else:
+            session.rollback()
     finally:
         session.close()

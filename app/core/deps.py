@@ -2,35 +2,75 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from app.auth.service import Principal, authenticate
 from app.core.bearer import bearer_token, same_secret
 from app.core.config import Settings
-from app.core.db import session_scope
+from app.core.db import end_session
 from app.core.errors import APIError
 
 
-def _session(request: Request) -> Iterator[Session]:
-    yield from session_scope(request.app.state.session_factory)
+class _RequestDatabase:
+    """A request's session and its turn at the database, closed (and given back) once."""
+
+    def __init__(self, session: Session, give_back: Callable[[], None]) -> None:
+        self.session, self.give_back, self.open = session, give_back, True
+
+    async def close(self, *, commit: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        try:
+            # Shielded: a client that hangs up must not leave the connection checked out.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(end_session, self.session, commit=commit)
+        finally:
+            self.give_back()
+
+
+async def _session(request: Request) -> AsyncIterator[Session]:
+    """The request's one transaction (commit on success, roll back on any error), opened once the
+    request has its turn at the database (app/core/admission.py) and closed before the turn is
+    given back."""
+    give_back = await request.app.state.database_turns.take()
+    database = _RequestDatabase(request.app.state.session_factory(), give_back)
+    request.state.database = database
+    try:
+        yield database.session
+    except BaseException:
+        await database.close(commit=False)
+        raise
+    await database.close(commit=True)
+
+
+async def done_with_database(request: Request) -> None:
+    """Commit and close the request's session now, and give back its turn at the database: what
+    a route calls before it waits on a slow peer (the inference server, a grader), so that the wait
+    holds neither a connection nor a turn. The route must not use the session afterwards."""
+    database = getattr(request.state, "database", None)
+    if database is not None:
+        await database.close(commit=True)
 
 
 def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-# scope="function": commit before the response is sent, so a 200 always means "stored".
 # The largest value an INTEGER column holds (PostgreSQL, SQLite's range is wider): a query filter
 # beyond it can match nothing, and PostgreSQL refuses it ("integer out of range") as a 500.
 INT32_MAX = 2**31 - 1
 # A step or sample number in a query string.
 RowIndex = Annotated[int, Query(ge=0, le=INT32_MAX)]
 
+# scope="function": commit before the response is sent, so a 200 always means "stored".
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 
-from app.core.deps import CurrentKey
+from app.core.deps import CurrentKey, done_with_database
 from app.graders import service
 from app.graders.core import GraderContext
 from app.graders.judges import close_http_client
@@ -36,6 +36,7 @@ def _grader_context(request: Request) -> GraderContext:
 @router.post("/run")
 async def run_grader(body: GraderRunRequest, request: Request, _principal: CurrentKey) -> dict[str, Any]:
     """Grade one model sample with a grader, as a training job would."""
+    await done_with_database(request)  # a grader may take seconds (an endpoint, a model judge)
     return await service.run_grader(body, _grader_context(request))
 
 

@@ -25,10 +25,14 @@ COMPLETIONS_PATH = "/internal/v1/chat/completions"
 RELAYED_HEADERS = ("retry-after",)  # of the inference server's answer, the headers the caller needs
 
 
+RETRY_UNAVAILABLE_S = 5  # the Retry-After of a 503 for an inference server that did not answer
+
+
 def unavailable(settings: Settings, detail: str) -> APIError:
     return APIError(503, f"The inference server ({settings.inference_url}) is unavailable: {detail}. Start it with "
                          "`agent-rft inference` (docs/serving.md), or try again.",
-                    code="inference_unavailable", type="server_error")
+                    code="inference_unavailable", type="server_error",
+                    headers={"Retry-After": str(RETRY_UNAVAILABLE_S)})
 
 
 class InferenceClient:

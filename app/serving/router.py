@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from app.core.deps import CurrentKey, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, SessionDep, SettingsDep, done_with_database
 from app.core.errors import APIError, bad_request
 from app.serving import service
 from app.serving.client import InferenceClient
@@ -64,7 +65,9 @@ async def create_chat_completion(
 ) -> Response:
     """OpenAI's chat completions, for base models, fine-tuned models and their checkpoints."""
     checked = check_request(body)
-    model = service.resolve(session=session, settings=settings, project_id=principal.project_id, name=checked.model)
+    model = await run_in_threadpool(service.resolve, session=session, settings=settings,
+                                    project_id=principal.project_id, name=checked.model)
+    await done_with_database(request)  # the model's answer may take minutes
     payload = checked.model_dump(exclude_none=True)
     inference = _inference(request)
     if checked.stream:

@@ -4,11 +4,16 @@ the job. One job (tiny model, LoRA, 3 steps with a checkpoint each) is trained o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import io
 import shutil
+import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +22,10 @@ import openai
 import pytest
 
 from app.core.config import Settings
+from examples.financial_reports.demo import http_ok
 from tests.conftest import (
-    REDIS_URL, _truncate_all, agent_rft_inference, agent_rft_worker, jsonl, live_server, make_project, wait_for,
+    REDIS_URL, _truncate_all, agent_rft_inference, agent_rft_process, agent_rft_worker, free_port, jsonl, live_server,
+    make_project, wait_for,
 )
 from tests.rl.tool_server import tool_server
 
@@ -317,6 +324,81 @@ def test_bad_requests_answer_openai_errors(trained: Trained):
         assert "maximum context length is 8192 tokens" in long_prompt.value.message
 
 
+# --- a burst of requests ------------------------------------------------------------------------------
+
+@contextmanager
+def second_api_process(trained: Trained) -> Iterator[str]:
+    """`agent-rft serve` in its own process, on the module's database, storage and inference server, with
+    the default pool and thread sizes: the load test's burst and its client share no interpreter."""
+    port = free_port()
+    settings = trained.settings
+    env = {"AGENT_RFT_DATABASE_URL": settings.database_url, "AGENT_RFT_BROKER_URL": REDIS_URL,
+           "AGENT_RFT_DATA_DIR": str(settings.data_dir), "AGENT_RFT_INFERENCE_URL": trained.inference_url,
+           "AGENT_RFT_INFERENCE_MODELS": ",".join(settings.inference_models), "AGENT_RFT_WORKER_TOKEN": TOKEN,
+           "AGENT_RFT_CHECKPOINT_DIR": str(settings.checkpoint_dir)}
+    url = f"http://127.0.0.1:{port}"
+    log = settings.data_dir / f"api-{uuid.uuid4().hex[:6]}.log"
+    with agent_rft_process(["serve", "--port", str(port)], env, log, lambda: http_ok(f"{url}/healthz")):
+        yield url
+
+
+def burst_requests(trained: Trained) -> list[tuple[str, str, dict]]:
+    """200 requests (method, path, JSON body): cheap routes, and slow ones (completions, downloads)."""
+    checkpoint_id = trained.checkpoints[3][0]
+    chat = {"model": trained.model, "messages": HELLO, "max_tokens": 4, "temperature": 0}
+    jobs = f"/v1/fine_tuning/jobs/{trained.job_id}"
+    return ([("GET", "/v1/models", {})] * 60 + [("GET", f"{jobs}/events", {})] * 30 + [("GET", jobs, {})] * 30
+            + [("POST", "/v1/chat/completions", chat)] * 30
+            + [("POST", "/v1/chat/completions", {**chat, "stream": True})] * 30
+            + [("GET", f"{jobs}/checkpoints/{checkpoint_id}/content", {})] * 20)
+
+
+async def send_all(url: str, key: str, requests: list[tuple[str, str, dict]]) -> list[tuple[int, dict, bytes] | str]:
+    """Every request at once, each on its own connection; (status, headers, body) or the transport error."""
+    async def one(method: str, path: str, body: dict) -> tuple[int, dict, bytes] | str:
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as http:
+            try:
+                answer = await http.request(method, path, json=body or None)
+                return answer.status_code, dict(answer.headers), answer.content
+            except httpx.TransportError as exc:
+                return f"{type(exc).__name__}: {exc}"
+
+    return await asyncio.gather(*(one(*request) for request in requests))
+
+
+def watch_health(url: str, stop: threading.Event, took: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while not stop.is_set():
+            began = time.perf_counter()
+            assert http.get("/healthz").status_code == 200
+            took.append(time.perf_counter() - began)
+            stop.wait(0.1)
+
+
+def test_a_burst_of_200_requests_is_answered_or_refused_with_retry_after(trained: Trained):
+    """Past the API's turns at the database or the inference server's queue, a request waits or is
+    refused with Retry-After: never a 500, a reset, or a stalled liveness probe."""
+    with second_api_process(trained) as url:
+        stop, health = threading.Event(), []
+        prober = threading.Thread(target=watch_health, args=(url, stop, health))
+        prober.start()
+        try:
+            answers = asyncio.run(send_all(url, trained.key, burst_requests(trained)))
+        finally:
+            stop.set()
+            prober.join()
+    failed = [a for a in answers if isinstance(a, str)]
+    assert not failed, failed[:3]
+    statuses = Counter(status for status, _, _ in answers)
+    assert set(statuses) <= {200, 429, 503}, (statuses, [b[:300] for s, _, b in answers if s not in (200, 429, 503)][:3])
+    refused = [headers for status, headers, _ in answers if status != 200]
+    assert all("retry-after" in headers for headers in refused), statuses
+    assert statuses[200] >= 150, statuses  # the cheap routes and the downloads are never refused
+    assert len(health) >= 3 and max(health) < 1.0, health
+    downloads = [body for status, _, body in answers[-20:] if status == 200]
+    assert downloads and all(len(body) == len(downloads[0]) for body in downloads)
+
+
 def test_a_checkpoint_whose_files_are_gone_is_404(trained: Trained):
     _, name, path = trained.checkpoints[1]
     moved = Path(path).with_name("moved-away")
@@ -334,8 +416,6 @@ def test_a_checkpoint_whose_files_are_gone_is_404(trained: Trained):
 
 
 def test_an_unreachable_inference_server_is_503_quickly(trained: Trained, pg_url: str):
-    from tests.conftest import free_port
-
     settings = trained.settings.model_copy(update={"inference_url": f"http://127.0.0.1:{free_port()}"})
     with live_server(settings) as api_url, \
             openai.OpenAI(base_url=f"{api_url}/v1", api_key=trained.key, max_retries=0, timeout=30) as sdk:
