@@ -226,3 +226,68 @@ def test_a_request_body_at_the_depth_limit_reaches_the_route(api, ids):  # noqa:
     body["x"] = json.loads(nested(MAX_JSON_DEPTH - 1))
     response = api.post("/v1/webhook_endpoints", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "x"  # pydantic's extra="forbid"
+
+
+# --- unpaired surrogates: a "\ud800" escape is valid JSON but not Unicode --------------------------
+
+LONE = "\ud800"
+
+
+def post_escaped(api, path: str, body: dict[str, Any]) -> httpx.Response:  # noqa: ANN001
+    """POST `body` as the JSON an SDK sends for it: json.dumps escapes a lone surrogate as \\ud800 (a
+    client cannot send it as UTF-8, which has no encoding for it)."""
+    return api.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def test_an_unpaired_surrogate_in_any_json_field_is_refused_by_field_path(api, ids):  # noqa: ANN001
+    file_id = ids["file"]
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "' + LONE + '"}'}}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/fine_tuning/jobs", job_body(file_id, metadata={"k": LONE}), "metadata.k"),
+        ("/v1/fine_tuning/jobs", job_body(file_id, metadata={LONE: "v"}), "metadata.\\ud800"),
+        ("/v1/fine_tuning/jobs", job_body(file_id, suffix="a" + LONE), "suffix"),
+        ("/v1/fine_tuning/jobs", job_body(file_id, reinforcement={"grader": {
+            "type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+            "reference": "x" + LONE, "operation": "eq"}}), "method.reinforcement.grader.reference"),
+        ("/v1/fine_tuning/jobs", job_body(file_id, reinforcement={"tools": [
+            {"name": "search", "server_url": "http://127.0.0.1:8765/", "headers": {"X-Key": LONE}}]}),
+         "method.reinforcement.tools[0].headers.X-Key"),
+        (DIAGNOSTICS, job_body(file_id, metadata={"k": LONE}), "metadata.k"),
+        ("/v1/webhook_endpoints", {"name": LONE, "url": "http://127.0.0.1:9/h",
+                                   "event_types": ["fine_tuning.job.failed"]}, "name"),
+        (f"/v1/webhook_endpoints/{ids['endpoint']}", {"name": LONE}, "name"),
+        ("/v1/fine_tuning/checkpoints/ft:x:p::j:ckpt-step-1/permissions", {"project_ids": [LONE]}, "project_ids[0]"),
+        ("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct", "messages": [
+            {"role": "user", "content": LONE}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [tool_call]}]},
+         "messages[1].tool_calls[0].function.arguments"),
+        ("/v1/fine_tuning/alpha/graders/run", {"grader": {"type": "string_check", "name": "g", "input": "a",
+                                                           "reference": "a", "operation": "eq"},
+                                               "model_sample": "x" + LONE}, "model_sample"),
+    ]
+    for path, body, param in cases:
+        refused = post_escaped(api, path, body)
+        assert_refused(refused, param)
+        assert "unpaired surrogate" in refused.json()["error"]["message"]
+    # A surrogate pair is one character outside the Basic Multilingual Plane: accepted and stored as it came.
+    fine = post_escaped(api, "/v1/fine_tuning/jobs", job_body(file_id, metadata={"k": "\U0001F600"}))
+    assert fine.status_code == 200 and fine.json()["metadata"] == {"k": "\U0001F600"}, fine.text
+
+
+def test_jsonl_rows_with_an_unpaired_surrogate_fail_with_their_line_numbers(api):  # noqa: ANN001
+    good = question_rows(1)[0]
+    called = {**good, "messages": [*good["messages"], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "' + LONE + '"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "nothing"}, {"role": "user", "content": "and?"}]}
+    lines = [json.dumps(good),
+             json.dumps({**good, "messages": [{"role": "user", "content": "rev" + LONE}]}),  # 2
+             json.dumps(called),                                                           # 3
+             json.dumps(good)]
+    job = run_job(api, ("\n".join(lines) + "\n").encode())
+    assert job["status"] == "failed", job
+    error = job["error"]
+    assert error["code"] == "invalid_value" and error["param"] == "training_file", error
+    assert "has 2 invalid lines" in error["message"], error
+    assert "line 2: messages[0].content contains an unpaired surrogate" in error["message"], error
+    assert "line 3: messages[2].tool_calls[0].function.arguments contains an unpaired surrogate" in error["message"]

@@ -290,13 +290,14 @@ def test_rollouts_are_stored_once_and_listed_to_their_project_only(api, client, 
     assert stranger.get(url).status_code == 404
 
 
-def test_nul_characters_and_nan_from_a_worker_are_stored_not_refused(api, worker):
-    # A random-weight model decodes token 0 as NUL, and a tool may return one; PostgreSQL's JSONB and
-    # text refuse it (and JSONB refuses NaN): the push must still be stored, never answered with a 5xx.
+def test_nul_characters_surrogates_and_nan_from_a_worker_are_stored_not_refused(api, worker):
+    # A random-weight model decodes token 0 as NUL, and a tool may return one or a lone "\ud800" escape;
+    # PostgreSQL's JSONB and text refuse them (and JSONB refuses NaN): the push must still be stored,
+    # never answered with a 5xx.
     job_id = queued_job(api)
     worker.claim(job_id)
     record = {**rollout("t-nul", 0, 0.5), "final_answer": "ab\x00c", "messages": [{"content": "x\x00"}], "x\x00": 1,
-              "score": float("nan")}
+              "tool_output": "y\ud800", "score": float("nan")}
     body = json.dumps({"lease_id": worker.lease_id, "step": 1, "split": "train", "records": [record]})  # NaN as Python writes it
     stored = worker.client.post(f"/internal/v1/jobs/{job_id}/rollouts", content=body,
                                 headers={**worker.headers, "Content-Type": "application/json"})
@@ -309,6 +310,7 @@ def test_nul_characters_and_nan_from_a_worker_are_stored_not_refused(api, worker
     data = api.get(f"/v1/fine_tuning/jobs/{job_id}/rollouts").json()["data"][0]["data"]
     assert data["final_answer"] == "ab\ufffdc" and data["messages"] == [{"content": "x\ufffd"}]
     assert data["x\ufffd"] == 1 and data["score"] is None
+    assert data["tool_output"] == "y\ufffd"
     shown = next(e for e in events(api, job_id) if e["level"] == "warn")
     assert shown["message"] == "tool said \ufffd" and shown["data"] == {"raw": "\ufffd"}
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import math
+import re
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Integer, MetaData, Text, create_engine, event
@@ -25,7 +25,8 @@ NAMING_CONVENTION = {
 def storable_json(value: Any) -> Any:
     """What PostgreSQL can store of a JSON value from outside: NaN and infinities are not JSON
     (JSONB refuses them) and become null; a NUL character (a random-weight model or a tool can
-    produce one; JSONB and text refuse it) becomes U+FFFD, as a decoder does with a bad byte."""
+    produce one; JSONB and text refuse it) and an unpaired surrogate (a tool's `\\ud800` escape; it
+    cannot be encoded as UTF-8) become U+FFFD, as a decoder does with a bad byte."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, str):
@@ -37,8 +38,14 @@ def storable_json(value: Any) -> Any:
     return value
 
 
+# A surrogate code point: in a Python string, always an unpaired one (json.loads joins escaped pairs).
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def storable_text(value: str) -> str:
-    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    return SURROGATE.sub("\ufffd", value) if SURROGATE.search(value) else value
 
 
 class StorableJSON(TypeDecorator):

@@ -47,8 +47,15 @@ def conflict(message: str, *, code: str = "conflict", param: str | None = None) 
     return APIError(409, message, code=code, param=param)
 
 
+def encodable(text: str) -> str:
+    """`text` with any unpaired surrogate spelled as its escape (\\ud800): an answer must encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, *, type: str, code: str | None, param: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error object; a message or param that quotes the request's bad text stays encodable."""
+    return {"error": {"message": encodable(message), "type": type,
+                      "param": encodable(param) if param is not None else None, "code": code}}
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:

@@ -2,6 +2,8 @@
 
 - No NUL character (U+0000) in the path, the query, a form field or a JSON string or key:
   PostgreSQL's text and JSONB columns cannot hold one, and psycopg refused it as a 500.
+- No unpaired surrogate (a `\\ud800` escape with no partner) in a JSON string or key: it is not
+  Unicode, so it cannot be encoded as UTF-8 for PostgreSQL, a tokenizer or an answer.
 - JSON nested at most MAX_JSON_DEPTH levels: deeper, Python's parser and every recursive walk
   after it run out of stack.
 
@@ -9,11 +11,13 @@ One ASGI middleware (`InputLimits`, installed by app.main.create_app) answers bo
 OpenAI's error shape, before any route runs. Multipart bodies (file uploads) pass through
 unread: app/jobs/validation.py checks a file's lines with `json_problem`, line by line. The
 worker API's bodies and a chat completion's `messages` may hold a NUL (UNCHECKED_BODIES,
-NUL_ALLOWED: they are stored made storable, or never stored)."""
+NUL_ALLOWED: they are stored made storable, or never stored); no body may hold a surrogate
+except the worker API's, which app.core.db.storable_json replaces."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl
@@ -21,7 +25,8 @@ from urllib.parse import parse_qsl
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.errors import error_body
+from app.core.db import SURROGATE
+from app.core.errors import encodable, error_body
 
 MAX_JSON_DEPTH = 64
 NUL = "\x00"
@@ -33,12 +38,23 @@ UNCHECKED_BODIES = ("/internal/",)
 # completion's conversation (a tool's output, say) goes only to the inference server.
 NUL_ALLOWED: dict[str, frozenset[str]] = {"/v1/chat/completions": frozenset({"messages"})}
 NUL_MESSAGE = "contains a NUL character (\\u0000), which is not accepted"
+SURROGATE_MESSAGE = "contains an unpaired surrogate (a \\ud800-\\udfff escape without its partner), which is not valid Unicode"
+# How a surrogate reaches a parsed string: a \uD800-\uDFFF escape, or UTF-16/32 JSON (json.loads
+# decodes it keeping unpaired surrogates; its ASCII characters carry zero bytes).
+_SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\x00")
 _FORM = "application/x-www-form-urlencoded"
 
 
 def printable(name: str) -> str:
-    """A parameter's name as it can be shown: a NUL in it spelled \\u0000."""
-    return name.replace(NUL, "\\u0000")
+    """A parameter's name as it can be shown (and encoded): a NUL or a surrogate in it spelled \\uXXXX."""
+    return encodable(name.replace(NUL, "\\u0000"))
+
+
+def text_problem(value: str, *, nul: bool = True) -> str | None:
+    """'nul' or 'surrogate' for a string that cannot be stored or encoded (a NUL only when `nul`), else None."""
+    if nul and NUL in value:
+        return "nul"
+    return "surrogate" if SURROGATE.search(value) else None
 
 
 def _trail_param(trail: Any) -> str:
@@ -53,18 +69,24 @@ def _trail_param(trail: Any) -> str:
     return param
 
 
-def json_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH, nul: bool = True,
+def json_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH, nul: bool = True, surrogates: bool = True,
                  nul_allowed: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """The first problem of a parsed JSON value, in document order: ('too_deep', field path) for a
-    container more than `max_depth` levels deep, ('nul', field path) for a string or key with a
-    NUL (when `nul`; not below the top-level keys `nul_allowed`), or None. Iterative, so it walks
-    any depth the parser returned."""
+    container more than `max_depth` levels deep; ('nul', field path) for a string or key with a NUL
+    (when `nul`; not below the top-level keys `nul_allowed`); ('surrogate', field path) for one with
+    an unpaired surrogate (when `surrogates`); else None. Iterative, so it walks any depth the
+    parser returned."""
+    def problem_of(text: str, refuse_nul: bool) -> str | None:
+        return text_problem(text, nul=refuse_nul) if surrogates else ("nul" if refuse_nul and NUL in text else None)
+
+    # (node, trail, depth, NULs are refused here)
     stack: list[tuple[Any, Any, int, bool]] = [(value, None, 1, nul)]
+    look = nul or surrogates
     while stack:
-        node, trail, depth, look = stack.pop()
+        node, trail, depth, refuse_nul = stack.pop()
         if isinstance(node, str):
-            if NUL in node:
-                return "nul", _trail_param(trail)
+            if look and (kind := problem_of(node, refuse_nul)) is not None:
+                return kind, _trail_param(trail)
             continue
         if not isinstance(node, (dict, list)):
             continue  # a number, a boolean or null at the root
@@ -73,30 +95,35 @@ def json_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH, nul: bool = Tru
         children: Iterator[tuple[Any, Any]] = iter(node.items()) if isinstance(node, dict) else enumerate(node)
         pushed = []
         for key, child in children:
-            if look and isinstance(key, str) and NUL in key:
-                return "nul", _trail_param((key, trail))
-            child_look = look and not (trail is None and key in nul_allowed)
-            if isinstance(child, (dict, list)) or (child_look and isinstance(child, str)):
-                pushed.append((child, (key, trail), depth + 1, child_look))
+            if look and isinstance(key, str) and (kind := problem_of(key, refuse_nul)) is not None:
+                return kind, _trail_param((key, trail))
+            child_refuses_nul = refuse_nul and not (trail is None and key in nul_allowed)
+            if isinstance(child, (dict, list)) or (look and isinstance(child, str)):
+                pushed.append((child, (key, trail), depth + 1, child_refuses_nul))
         stack.extend(reversed(pushed))
     return None
 
 
-def worth_walking(raw: bytes) -> tuple[bool, bool]:
-    """(walk the parsed value?, look for NULs?) for raw JSON. Only an escape puts a NUL in a parsed
-    UTF-8 string (a raw one is not JSON; a raw zero byte may be UTF-16 or UTF-32, which json.loads
-    also reads), and a text with at most MAX_JSON_DEPTH brackets cannot nest deeper: most bodies
-    and rows are never walked."""
+def worth_walking(raw: bytes) -> tuple[bool, bool, bool]:
+    """(walk the parsed value?, look for NULs?, look for surrogates?) for raw JSON. Only an escape
+    puts a NUL or a surrogate in a parsed UTF-8 string (raw, neither is JSON; a raw zero byte may be
+    UTF-16 or UTF-32, which json.loads also reads), and a text with at most MAX_JSON_DEPTH brackets
+    cannot nest deeper: most bodies and rows are never walked."""
     nul = b"\\u0000" in raw or b"\x00" in raw
-    return nul or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH, nul
+    surrogates = _SURROGATE_SOURCE.search(raw) is not None
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    return nul or surrogates or deep, nul, surrogates
+
+
+PROBLEM_MESSAGES = {"nul": NUL_MESSAGE, "surrogate": SURROGATE_MESSAGE}
 
 
 def _refusal(message: str, *, param: str, code: str = "invalid_value") -> JSONResponse:
     return JSONResponse(error_body(message, type="invalid_request_error", code=code, param=param), status_code=400)
 
 
-def _nul_refusal(param: str) -> JSONResponse:
-    return _refusal(f"Invalid value for '{param}': it {NUL_MESSAGE}.", param=param)
+def _text_refusal(param: str, kind: str = "nul") -> JSONResponse:
+    return _refusal(f"Invalid value for '{param}': it {PROBLEM_MESSAGES[kind]}.", param=param)
 
 
 def _too_deep() -> JSONResponse:
@@ -150,7 +177,7 @@ def _body_kind(scope: Scope) -> str | None:
 
 
 def _json_body_problem(body: bytes, *, nul_allowed: frozenset[str]) -> JSONResponse | None:
-    walk, has_nul = worth_walking(body)
+    walk, has_nul, has_surrogates = worth_walking(body)
     if not walk:
         return None
     try:
@@ -159,11 +186,11 @@ def _json_body_problem(body: bytes, *, nul_allowed: frozenset[str]) -> JSONRespo
         return _too_deep()
     except ValueError:
         return None  # not JSON: the route answers it as it always has
-    problem = json_problem(value, nul=has_nul, nul_allowed=nul_allowed)
+    problem = json_problem(value, nul=has_nul, surrogates=has_surrogates, nul_allowed=nul_allowed)
     if problem is None:
         return None
     kind, param = problem
-    return _too_deep() if kind == "too_deep" else _nul_refusal(param or "body")
+    return _too_deep() if kind == "too_deep" else _text_refusal(param or "body", kind)
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, list[Message]]:
@@ -193,15 +220,15 @@ class InputLimits:
             return
         refusal = None
         if NUL in scope["path"]:
-            refusal = _nul_refusal(_path_param(scope))
+            refusal = _text_refusal(_path_param(scope))
         elif (name := _query_problem(scope.get("query_string", b""))) is not None:
-            refusal = _nul_refusal(name)
+            refusal = _text_refusal(name)
         elif not scope["path"].startswith(UNCHECKED_BODIES) and (kind := _body_kind(scope)) is not None:
             body, messages = await _read_body(receive)
             if kind == "json":
                 refusal = _json_body_problem(body, nul_allowed=NUL_ALLOWED.get(scope["path"].rstrip("/"), frozenset()))
             elif (name := _query_problem(body)) is not None:
-                refusal = _nul_refusal(name)
+                refusal = _text_refusal(name)
             receive = _replay(messages, receive)
         if refusal is not None:
             await refusal(scope, receive, send)

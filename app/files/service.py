@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from app.core.db import unix
 from app.core.errors import APIError, conflict, not_found
 from app.core.ids import new_id
-from app.core.input_limits import NUL, NUL_MESSAGE
+from app.core.input_limits import PROBLEM_MESSAGES, text_problem
 from app.core.pagination import ListPage, page
 from app.files.models import StoredFile
 from app.files.schemas import FileObject
@@ -41,10 +41,11 @@ def check_purpose(purpose: str) -> None:
 
 
 def check_filename(filename: str | None) -> None:
-    """A file name is stored as text, which cannot hold a NUL (app.core.input_limits leaves multipart
-    bodies unread, so the part's name is checked here)."""
-    if filename and NUL in filename:
-        raise APIError(400, f"Invalid value for 'file': its file name {NUL_MESSAGE}.", code="invalid_value", param="file")
+    """A file name is stored as text, which cannot hold a NUL or a surrogate (app.core.input_limits
+    leaves multipart bodies unread, so the part's name is checked here)."""
+    if filename and (kind := text_problem(filename)) is not None:
+        raise APIError(400, f"Invalid value for 'file': its file name {PROBLEM_MESSAGES[kind]}.", code="invalid_value",
+                       param="file")
 
 
 def store_upload(storage: Storage, source: BinaryIO, *, max_bytes: int) -> StoredBlob:

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from app.core.input_limits import MAX_JSON_DEPTH, NUL_MESSAGE, json_problem, worth_walking
+from app.core.input_limits import MAX_JSON_DEPTH, PROBLEM_MESSAGES, json_problem, worth_walking
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -198,16 +198,17 @@ def row_rule(method_type: str, declared_tools: set[str]) -> RowRule:
 
 
 def _json_problem(raw: bytes, row: Any) -> tuple[str, str] | None:
-    """(code, message) for a row nested too deep or with a NUL in a string (which PostgreSQL's
-    JSONB cannot hold: the row's rollouts could never be stored), else None."""
-    walk, nul = worth_walking(raw)
-    problem = json_problem(row, nul=nul) if walk else None
+    """(code, message) for a row nested too deep, or with a NUL or an unpaired surrogate in a string
+    (PostgreSQL's JSONB cannot hold a NUL, and a surrogate cannot be encoded for it or for a
+    tokenizer: the row could never be trained on), else None."""
+    walk, nul, surrogates = worth_walking(raw)
+    problem = json_problem(row, nul=nul, surrogates=surrogates) if walk else None
     if problem is None:
         return None
     kind, where = problem
     if kind == "too_deep":
         return "too_deep", TOO_DEEP
-    return "invalid_value", f"{where or 'the row'} {NUL_MESSAGE}"
+    return "invalid_value", f"{where or 'the row'} {PROBLEM_MESSAGES[kind]}"
 
 
 def validate_jsonl(fh: BinaryIO, *, declared_tools: set[str], method_type: str = "reinforcement") -> FileReport:
