@@ -175,6 +175,39 @@ def test_heartbeat_relays_pause_and_the_worker_saves_state(api, client, settings
     assert job["resume_state"] == "/ckpt/job/state-4" and job["completed_steps"] == 4
 
 
+def test_a_resume_before_the_worker_heard_the_pause_leaves_the_job_with_that_worker(api, client, settings, worker):
+    # Pause and resume land between two heartbeats: no second run is queued, the worker carries on.
+    job_id = queued_job(api)
+    lease = worker.claim(job_id).json()["lease_id"]
+    api.post(f"/v1/fine_tuning/jobs/{job_id}/pause")
+    resumed = api.post(f"/v1/fine_tuning/jobs/{job_id}/resume").json()
+    assert resumed["status"] == "running"
+    assert messages(api, job_id)[0] == "Job resumed by user; worker gpu-1 had not stopped for the pause and keeps running it."
+    assert worker.leased("POST", f"/jobs/{job_id}/heartbeat").json()["action"] == "continue"
+    other = Worker(client, settings.worker_token.get_secret_value(), "gpu-2").claim(job_id)
+    assert other.status_code == 409 and other.json()["error"]["code"] == "lease_held"
+    assert worker.lease_id == lease and worker.leased("PUT", f"/jobs/{job_id}/steps/1",
+                                                      metrics=metrics_data(1, 0.5)).status_code == 200
+    assert messages(api, job_id).count("Job sent to the training queue.") == 1  # at creation only
+
+
+def test_a_resume_while_the_worker_saves_its_state_queues_the_job_once_it_stopped(api, client, settings, worker):
+    job_id = queued_job(api)
+    worker.claim(job_id)
+    api.post(f"/v1/fine_tuning/jobs/{job_id}/pause")
+    assert worker.leased("POST", f"/jobs/{job_id}/heartbeat").json()["action"] == "pause"
+    assert api.post(f"/v1/fine_tuning/jobs/{job_id}/resume").json()["status"] == "running"  # still its worker's
+    gpu2 = Worker(client, settings.worker_token.get_secret_value(), "gpu-2")
+    assert gpu2.claim(job_id).json()["error"]["code"] == "lease_held"
+    worker.leased("POST", f"/jobs/{job_id}/state", completed_steps=4, resume_state="/ckpt/job/state-4")
+    finished = worker.leased("POST", f"/jobs/{job_id}/finish", status="paused", error=None)
+    assert finished.json()["status"] == "queued"
+    assert messages(api, job_id)[0:2] == ["Job sent to the training queue.",
+                                          "Worker gpu-1 stopped for a pause that was withdrawn; job re-queued from step 4"]
+    job = gpu2.claim(job_id).json()["job"]
+    assert job["completed_steps"] == 4 and status(api, job_id) == "running"
+
+
 def test_heartbeat_relays_cancel_and_the_worker_stops(api, worker):
     job_id = queued_job(api)
     worker.claim(job_id)

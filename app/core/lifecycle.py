@@ -165,17 +165,18 @@ def finishing_run(session: Session, model: type[Run], run_id: str, lease_id: str
 
 def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: datetime,
               start: Callable[[], None], took_over: Callable[[str | None], None] | None = None) -> None:
-    """Give `worker_id` the lease on `row`. Queued: `start()` moves it to running. Running: taken
-    over only if its worker's lease has expired (409 lease_held while it is live). `took_over(the
-    previous worker)` hears of a run taken from another worker, or from none (a running run without
-    a lease); a queued run still leased to another worker (paused and resumed before that worker
-    gave its lease back) counts too. Any other status: 409 not_claimable."""
+    """Give `worker_id` the lease on `row`: one run, one worker. While another worker's lease is
+    live, in any status, the answer is 409 lease_held (a queued run may still be leased: its worker
+    has not given the lease back yet). Queued: `start()` moves it to running. Running: taken over
+    once its worker's lease has expired. `took_over(the previous worker)` hears of a run taken from
+    another worker, or from none (a running run without a lease). Any other status: 409
+    not_claimable."""
     previous = row.lease_holder
     someone_else = previous is not None and previous != worker_id
+    if someone_else and row.lease_is_live(now) and row.status in (RUNNING, QUEUED):
+        raise conflict(f"{row.kind.capitalize()} '{row.id}' is held by worker {previous}, whose lease is live; "
+                       "try later.", code="lease_held")
     if row.status == RUNNING:
-        if someone_else and row.lease_is_live(now):
-            raise conflict(f"{row.kind.capitalize()} '{row.id}' is running on worker {previous}, whose lease is live; "
-                           "try later.", code="lease_held")
         if took_over is not None and (previous is None or someone_else):
             took_over(previous)
     elif row.status == QUEUED:

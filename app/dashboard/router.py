@@ -58,7 +58,7 @@ SECURITY_HEADERS = {
 }
 NOTICES = {
     "paused": "Job paused. A running worker saves its state and stops within a heartbeat.",
-    "resumed": "Job resumed: it is queued for the next free worker.",
+    "resumed": "Job resumed: its worker carries on if it had not stopped yet, else the next free worker resumes it.",
     "cancelled": "Job cancelled.",
     "refused": "That action is not allowed in the job's current status.",
 }
@@ -311,8 +311,8 @@ def job_action(request: Request, job_id: str, action: str, user: PageUser, sessi
     check_csrf(read_visitor(request), csrf_token)
     if action not in ACTIONS:
         return _not_found(request, user, f"action {action}")
-    jobs.apply_action(session=session, project_id=user.project_id, job_id=job_id, action=action)
-    if action == "resume":  # after SessionDep's commit, as the API's resume does
+    job = jobs.apply_action(session=session, project_id=user.project_id, job_id=job_id, action=action)
+    if job.status == "queued":  # after SessionDep's commit, as the API's resume does
         background.add_task(_send_later, request, job_id)
     past = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[action]
     return _redirect(f"/dashboard/jobs/{job_id}?notice={past}")

@@ -67,14 +67,15 @@ def _action(action: str):  # noqa: ANN202
         fine_tuning_job_id: str, request: Request, background: BackgroundTasks, principal: CurrentKey, session: SessionDep
     ) -> JobObject:
         job = service.apply_action(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id, action=action)
-        if action == "resume":  # after SessionDep's commit, as above
+        if job.status == "queued":  # resumed (not kept by its worker): sent after SessionDep's commit, as above
             background.add_task(_send_later, request, job.id)
         return job
 
     endpoint.__name__ = f"{action}_job"
     endpoint.__doc__ = {
         "pause": "Pause a queued or running job; its checkpoint and data position are kept.",
-        "resume": "Resume a paused job: it is queued and sent to the workers again.",
+        "resume": "Resume a paused job: it is queued and sent to the workers again (or, when its worker has not "
+                  "stopped for the pause yet, that worker keeps running it).",
         "cancel": "Cancel a job that has not finished.",
     }[action]
     return endpoint

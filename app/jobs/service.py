@@ -237,7 +237,16 @@ def list_jobs(
 
 
 def apply_action(*, session: Session, project_id: str, job_id: str, action: str) -> JobObject:
+    """Pause, resume or cancel. The answer's status is `queued` when the job must be sent to the workers."""
     job = get_row(session=session, project_id=project_id, job_id=job_id, for_update=True)
+    if action == "resume" and job.status == JobStatus.PAUSED.value and job.lease_is_live(utcnow()):
+        # Its worker has not stopped for the pause yet (it had not heard of it, or is saving its state):
+        # it keeps the job, rather than a second run being queued beside it. A worker that stops anyway
+        # re-queues the job when it reports (app/jobs/worker_service.finish).
+        transition(session, job, JobStatus.RUNNING,
+                   message=f"Job resumed by user; worker {job.lease_owner} had not stopped for the pause and keeps "
+                           "running it.")
+        return to_schema(job)
     target = ACTIONS[action]
     past = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[action]
     transition(session, job, target, action=action, message=f"Job {past} by user.")

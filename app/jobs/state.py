@@ -56,8 +56,11 @@ def _on_move(session: Session, job: Job, previous: JobStatus, to: JobStatus, *, 
 
 
 # Moves only the control plane makes, never a user action: a running job whose worker's lease
-# expired goes back to the queue (app/jobs/watchdog.py); "resume" of a running job stays refused.
-JOB_STATES = StateMachine("job", TRANSITIONS, TERMINAL, system_transitions={S.RUNNING: frozenset({S.QUEUED})},
+# expired, or whose worker stopped for a pause that was withdrawn meanwhile, goes back to the queue;
+# a paused job resumed while its worker still holds the lease (it has not stopped for the pause)
+# runs on with that worker (app/jobs/service.apply_action). "resume" of a running job stays refused.
+JOB_STATES = StateMachine("job", TRANSITIONS, TERMINAL,
+                          system_transitions={S.RUNNING: frozenset({S.QUEUED}), S.PAUSED: frozenset({S.RUNNING})},
                           on_move=_on_move)
 # transition(session, job, to, *, message, action=None, level="info", error=None)
 transition = JOB_STATES.move

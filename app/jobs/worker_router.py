@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Depends, Path, Request
 
 from app.core.deps import SessionDep, SettingsDep, require_worker
 from app.core.worker_schemas import ClaimRequest, HeartbeatResponse, Leased
+from app.jobs import pipeline
 from app.jobs import worker_service as service
 from app.jobs.worker_schemas import (
     CheckpointPush,
@@ -74,7 +75,13 @@ def record_state(job_id: str, body: StatePush, session: SessionDep) -> StateResu
 
 
 @router.post("/jobs/{job_id}/finish", response_model=FinishResult)
-def finish_job(job_id: str, body: FinishPush, request: Request, session: SessionDep) -> FinishResult:
+def finish_job(job_id: str, body: FinishPush, request: Request, background: BackgroundTasks,
+               session: SessionDep) -> FinishResult:
     """The end of this worker's run: succeeded (its step metrics become the job's result file),
-    failed, or stopped after a pause or cancel."""
-    return service.finish(session=session, storage=request.app.state.storage, job_id=job_id, body=body)
+    failed, or stopped after a pause or cancel. A job resumed while its worker was stopping for the
+    pause is queued again, and sent to the workers after the commit."""
+    result = service.finish(session=session, storage=request.app.state.storage, job_id=job_id, body=body)
+    if result.status == "queued":
+        state = request.app.state
+        background.add_task(pipeline.send_to_workers, state.session_factory, state.queue, job_id)
+    return result

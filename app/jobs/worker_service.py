@@ -307,7 +307,12 @@ def _stop(session: Session, job: Job, body: FinishPush) -> None:
     target = S(body.status)
     message = (f"Training state saved at step {job.completed_steps}; job paused" if target == S.PAUSED
                else "Worker stopped: job cancelled")
-    if job.status == S.RUNNING.value:  # the worker stopped on its own; the status follows it
+    if job.status == S.RUNNING.value and target == S.PAUSED:
+        # A worker pauses only when told to: the job was resumed while it saved its state. It goes
+        # back to the queue, and the next claim resumes from that state.
+        transition(session, job, S.QUEUED, message=f"Worker {job.lease_owner} stopped for a pause that was "
+                                                   f"withdrawn; job re-queued from step {job.completed_steps}")
+    elif job.status == S.RUNNING.value:  # the worker stopped on its own; the status follows it
         transition(session, job, target, message=message)
     elif job.status == target.value:  # the user's action already moved the status
         add_event(session, job, message)

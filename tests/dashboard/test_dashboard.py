@@ -345,11 +345,13 @@ def test_pause_resume_cancel_buttons_move_the_job_through_the_state_machine(clie
     assert act("pause").endswith("?notice=paused") and status(api, running_job) == "paused"
     page = client.get(f"/dashboard/jobs/{running_job}?notice=paused").text
     assert "Job paused." in page
-    assert act("resume").endswith("?notice=resumed") and status(api, running_job) == "queued"
+    # Its worker still holds the lease (it has not stopped for the pause): it keeps the job.
+    assert act("resume").endswith("?notice=resumed") and status(api, running_job) == "running"
     assert act("cancel").endswith("?notice=cancelled") and status(api, running_job) == "cancelled"
     assert act("pause").endswith("?notice=refused") and status(api, running_job) == "cancelled"
     events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{running_job}/events?limit=50").json()["data"]]
-    assert {"Job paused by user.", "Job resumed by user.", "Job cancelled by user."} <= set(events)
+    assert {"Job paused by user.", "Job cancelled by user."} <= set(events)
+    assert any(e.startswith("Job resumed by user; worker") and e.endswith("keeps running it.") for e in events)
     assert client.post(f"/dashboard/jobs/{running_job}/explode", data={"csrf_token": csrf}).status_code == 404
 
 
