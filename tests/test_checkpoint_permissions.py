@@ -1,6 +1,7 @@
 """Checkpoint permissions through the official `openai` SDK against a real uvicorn server
 (`client.fine_tuning.checkpoints.permissions`): sharing, listing, revoking, who may do what, and
-the effect of a share on serving and on starting a job. Checkpoints are recorded as a worker's push
+the effect of a share on serving and on starting a job, and of a revoked share on a job that has
+not finished. Checkpoints are recorded as a worker's push
 records them, without training; no inference server runs, so a served name answers 503 once it
 resolves (404 when it does not), and the resolution itself is checked with `resolve`."""
 
@@ -10,7 +11,9 @@ import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types.fine_tuning.checkpoints import (
@@ -30,7 +33,7 @@ from app.jobs.models import Job
 from app.jobs.schemas import MAX_PERMISSION_PROJECTS
 from app.jobs.worker_service import fine_tuned_model_name
 from app.serving.service import ResolvedModel, resolve
-from tests.conftest import free_port, job_body, jsonl, live_server, make_project, question_rows
+from tests.conftest import free_port, job_body, jsonl, live_server, make_project, question_rows, wait_for
 
 BASE = "SmolLM2-135M-Instruct"
 
@@ -299,3 +302,72 @@ def test_bad_requests_name_the_parameter(world, settings):
         with pytest.raises(openai.BadRequestError) as bad:
             permissions.list(name, **query)
         assert bad.value.param == param, query
+
+
+# --- a revoked share during a job -------------------------------------------------------------------
+
+class WorkerCalls:
+    """The internal API as a worker calls it, with the worker token."""
+
+    def __init__(self, tenant: Tenant, settings) -> None:  # noqa: ANN001
+        base = str(tenant.sdk.base_url).removesuffix("/").removesuffix("/v1")
+        self.http = httpx.Client(base_url=f"{base}/internal/v1", timeout=30,
+                                 headers={"Authorization": f"Bearer {settings.worker_token.get_secret_value()}"})
+        self.lease_id: str | None = None
+
+    def claim(self, job_id: str) -> httpx.Response:
+        answer = self.http.post(f"/jobs/{job_id}/claim", json={"worker_id": "gpu-1"})
+        if answer.status_code == 200:
+            self.lease_id = answer.json()["lease_id"]
+        return answer
+
+    def leased(self, method: str, url: str, /, **body: Any) -> httpx.Response:
+        answer = self.http.request(method, url, json={"lease_id": self.lease_id, **body})
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    def train_then_stop_for_a_pause(self, tenant: Tenant, job_id: str, *, steps: int, total: int) -> None:
+        """Claim, report `steps` of `total` steps (a checkpoint at the last one), save the state, then
+        stop for a pause as a worker does."""
+        wait_for(lambda: tenant.sdk.fine_tuning.jobs.retrieve(job_id).status == "queued")
+        assert self.claim(job_id).status_code == 200
+        for step in range(1, steps + 1):
+            self.leased("PUT", f"/jobs/{job_id}/steps/{step}", metrics={"step": step, "total_steps": total,
+                                                                         "scores": {"train_reward_mean": 0.5}})
+        self.leased("PUT", f"/jobs/{job_id}/checkpoints/{steps}", path=f"/checkpoints/{job_id}/step-{steps}")
+        self.leased("POST", f"/jobs/{job_id}/state", completed_steps=steps, resume_state=f"/ckpt/{job_id}/state")
+        tenant.sdk.fine_tuning.jobs.pause(job_id)
+        assert self.leased("POST", f"/jobs/{job_id}/heartbeat").json()["action"] == "pause"
+        self.leased("POST", f"/jobs/{job_id}/finish", status="paused")
+
+
+def test_a_job_whose_shared_base_is_revoked_fails_at_the_claim_unless_its_state_covers_every_step(world, settings):
+    owner, grantee = world.owner, world.grantee
+    _, name, _ = checkpointed_job(settings, owner)
+    permissions = owner.sdk.fine_tuning.checkpoints.permissions
+    permission = permissions.create(name, project_ids=[grantee.project_id]).data[0]
+    halfway, finished = create_job(grantee, name), create_job(grantee, name)
+    worker = WorkerCalls(grantee, settings)
+    worker.train_then_stop_for_a_pause(grantee, halfway, steps=1, total=3)
+    worker.train_then_stop_for_a_pause(grantee, finished, steps=2, total=2)  # stopped before reporting its end
+
+    permissions.delete(permission.id, fine_tuned_model_checkpoint=name)
+    for job_id in (halfway, finished):
+        grantee.sdk.fine_tuning.jobs.resume(job_id)
+
+    refused = worker.claim(halfway)  # before any work: the worker is told there is nothing to run
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_claimable"
+    job = grantee.sdk.fine_tuning.jobs.retrieve(halfway)
+    assert job.status == "failed" and job.fine_tuned_model is None
+    assert (job.error.code, job.error.param) == ("base_model_revoked", "model")
+    assert name in job.error.message and "no longer shares" in job.error.message
+    assert "no longer shares" in refused.json()["error"]["message"]
+
+    done = worker.claim(finished)
+    assert done.status_code == 409 and "succeeded without a worker" in done.json()["error"]["message"]
+    job = grantee.sdk.fine_tuning.jobs.retrieve(finished)
+    assert job.status == "succeeded" and job.fine_tuned_model == f"ft:{BASE}:{grantee.name}::{finished}"
+    results = grantee.sdk.files.content(job.result_files[0]).text.splitlines()
+    assert [line.split(",")[0] for line in results[1:]] == ["1", "2"]
+    events = [e.message for e in grantee.sdk.fine_tuning.jobs.list_events(finished, limit=50)]
+    assert events[0] == "The job has successfully completed"

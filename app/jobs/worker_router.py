@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Path, Request
+from fastapi.responses import JSONResponse
 
 from app.core.deps import SessionDep, SettingsDep, require_worker
+from app.core.errors import error_body
 from app.core.worker_schemas import ClaimRequest, HeartbeatResponse, Leased
 from app.jobs import pipeline
 from app.jobs import worker_service as service
@@ -31,10 +33,19 @@ router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depen
 Step = Annotated[int, Path(ge=0)]
 
 
-@router.post("/jobs/{job_id}/claim", response_model=ClaimResponse)
-def claim_job(job_id: str, body: ClaimRequest, session: SessionDep, settings: SettingsDep) -> ClaimResponse:
-    """Take a queued job (or a running one whose worker's lease expired) under a new lease."""
-    return service.claim(session=session, settings=settings, job_id=job_id, worker_id=body.worker_id)
+@router.post("/jobs/{job_id}/claim", response_model=ClaimResponse,
+             responses={409: {"description": "lease_held (try later) or not_claimable (nothing to run)"}})
+def claim_job(job_id: str, body: ClaimRequest, request: Request, session: SessionDep,
+              settings: SettingsDep) -> ClaimResponse | JSONResponse:
+    """Take a queued job (or a running one whose worker's lease expired) under a new lease. A job
+    that ends here (its saved state covers every step, or its base model is gone) is answered
+    409 not_claimable, and its end is committed."""
+    claimed = service.claim(session=session, settings=settings, storage=request.app.state.storage, job_id=job_id,
+                            worker_id=body.worker_id)
+    if isinstance(claimed, str):  # an answer, not a raised error: the job's end must be committed
+        return JSONResponse(error_body(f"Job '{job_id}' ended at the claim: {claimed}", type="invalid_request_error",
+                                       code="not_claimable", param=None), status_code=409)
+    return claimed
 
 
 @router.post("/jobs/{job_id}/heartbeat", response_model=HeartbeatResponse)

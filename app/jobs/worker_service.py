@@ -23,7 +23,7 @@ from app.files.storage import Storage
 from app.jobs import service as jobs
 from app.jobs import step_metrics
 from app.jobs.integrations import wandb_key_for_claim
-from app.jobs.lineage import base_model_of, start_point
+from app.jobs.lineage import base_model_of, checkpoint_named, is_fine_tuned, start_point
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.jobs.tool_headers import open_headers
@@ -64,8 +64,15 @@ def _note_takeover(session: Session, job: Job, previous_owner: str | None, worke
               level="warn", data={"previous_worker": previous_owner, "worker": worker_id})
 
 
-def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) -> ClaimResponse:
+def claim(*, session: Session, settings: Settings, storage: Storage, job_id: str,
+          worker_id: str) -> ClaimResponse | str:
+    """The job under a new lease, or, when it ends here without a worker, why (a str): its saved
+    state already covers every step (it succeeds), or its base model is no longer its project's to
+    train from (it fails)."""
     job = locked_run(session, Job, job_id)
+    ended = _end_without_a_worker(session, job, storage, worker_id)
+    if ended is not None:
+        return ended
     claim_run(job, worker_id, lease_seconds=settings.lease_seconds, now=utcnow(),
               start=lambda: transition(session, job, S.RUNNING, message=f"Job started on worker {worker_id}"),
               took_over=lambda previous: _note_takeover(session, job, previous, worker_id))
@@ -79,6 +86,51 @@ def claim(*, session: Session, settings: Settings, job_id: str, worker_id: str) 
         integrations=job.integrations or [],
         wandb_api_key=wandb_key_for_claim(session, job.project_id, job.integrations, secret_box(settings)),
     ))
+
+
+def _end_without_a_worker(session: Session, job: Job, storage: Storage, worker_id: str) -> str | None:
+    """End a claimable job that needs no worker, or that no worker could run, before any work;
+    None for every other job (claim_run then decides, lease_held and not_claimable included)."""
+    holder_elsewhere = job.lease_holder not in (None, worker_id) and job.lease_is_live(utcnow())
+    if job.status not in (S.QUEUED.value, S.RUNNING.value) or holder_elsewhere:
+        return None
+    total = _final_step_saved(session, job)
+    if total is not None:
+        if job.status == S.QUEUED.value:
+            transition(session, job, S.RUNNING, message=f"The saved training state covers all {total} steps and "
+                                                        "the final checkpoint is stored: no worker needed")
+        _succeed(session, job, storage)
+        job.release_lease(remember=False)
+        return f"Its saved state covers all {total} steps; it succeeded without a worker."
+    if is_fine_tuned(job.model) and start_point(session, job) is None:
+        error = _base_model_gone(session, job)
+        transition(session, job, S.FAILED, level="error", error=error, message=f"Training failed: {error['message']}")
+        job.release_lease(remember=False)
+        return error["message"]
+    return None
+
+
+def _final_step_saved(session: Session, job: Job) -> int | None:
+    """The job's step count when its saved state covers every step and the last step's checkpoint
+    is stored (a run that ended without reporting it: only the finish is missing), else None."""
+    data = session.scalar(select(JobStep.data).where(JobStep.job_id == job.id).order_by(JobStep.step.desc()).limit(1))
+    total = (data or {}).get("total_steps")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1 or job.completed_steps < total:
+        return None
+    final = select(Checkpoint.id).where(Checkpoint.job_id == job.id, Checkpoint.step_number == total)
+    return total if session.scalar(final) is not None else None
+
+
+def _base_model_gone(session: Session, job: Job) -> dict[str, Any]:
+    """The error of a job whose fine-tuned base its project can no longer train from."""
+    found = checkpoint_named(session, job.model)
+    if found is not None and found[1].project_id != job.project_id:
+        return {"code": "base_model_revoked", "param": "model", "message": (
+            f"The base model '{job.model}' is a checkpoint that its owner's project no longer shares with this "
+            "project (the checkpoint permission was deleted), so the job cannot load it. Ask the owner to share it "
+            "again, then create a new job.")}
+    return {"code": "base_model_deleted", "param": "model", "message": (
+        f"The base model '{job.model}' was deleted since the job was created, so the job cannot load it.")}
 
 
 def _start_from(session: Session, job: Job) -> StartFrom | None:
