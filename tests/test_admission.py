@@ -51,6 +51,10 @@ def test_one_turn_serves_a_burst_and_the_sdk_retries_the_refusals(settings, proj
         assert statuses == {200, 503}, statuses
         busy = next(answer for answer in answers if answer.status_code == 503)
         assert busy.json()["error"]["code"] == "server_busy" and int(busy.headers["retry-after"]) >= 1
+        scrape = httpx.get(f"{base}/metrics").text
+        refusals = float(next(line.split()[1] for line in scrape.splitlines()
+                              if line.startswith("agent_rft_api_busy_refusals_total ")))
+        assert refusals >= sum(answer.status_code == 503 for answer in answers)
         with openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=8) as sdk, \
                 ThreadPoolExecutor(8) as pool:
             listed = list(pool.map(lambda _: sdk.models.list().data, range(8)))  # refusals retried after Retry-After

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from weakref import WeakKeyDictionary
 
 from app.core.errors import APIError
+from app.observability.registry import API_BUSY_REFUSALS
 
 
 def server_busy(retry_after_s: float) -> APIError:
@@ -53,6 +54,7 @@ class DatabaseTurns:
             async with asyncio.timeout(self.wait_s):
                 await turns.acquire()
         except TimeoutError:
+            API_BUSY_REFUSALS.inc()
             raise server_busy(min(self.wait_s, 5.0)) from None
         given_back = False
 

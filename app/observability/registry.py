@@ -14,3 +14,6 @@ LEASE_EXPIRIES = Counter(
 WEBHOOK_DELIVERY_FAILURES = Counter(
     "agent_rft_webhook_delivery_failures", "Webhook delivery attempts reported failed (non-2xx or no answer).",
     registry=API_REGISTRY)
+API_BUSY_REFUSALS = Counter(
+    "agent_rft_api_busy_refusals", "Requests answered 503 server_busy: no turn at the database within the queue timeout.",
+    registry=API_REGISTRY)
