@@ -7,9 +7,9 @@ sends the signed request it was handed and reports what came back."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select, update
@@ -183,25 +183,42 @@ def event_types() -> EventTypeList:
     return EventTypeList(data=list(EVENT_TYPES))
 
 
-def test_endpoint(*, session: Session, settings: Settings, project_id: str, endpoint_id: str,
-                  body: EndpointTest) -> EndpointTestResult:
-    """Send a sample event, signed like a real one, and answer with the endpoint's status code and
-    whether a real delivery would count it as delivered (a 2xx). Test sends are not retried and not
-    logged as deliveries."""
+@dataclass(frozen=True)
+class TestSend:
+    """A test event ready to send: read from the database, sent without it."""
+
+    endpoint_id: str
+    event_type: str
+    url: str
+    headers: dict[str, str]
+    payload: bytes
+
+
+def prepare_test(*, session: Session, settings: Settings, project_id: str, endpoint_id: str,
+                 body: EndpointTest) -> TestSend:
+    """A sample event of `body.event_type` for the endpoint, signed like a real one."""
     ep = _endpoint_row(session, project_id, endpoint_id)
     now = utcnow()
     payload = event_body(new_id("evt_"), body.event_type, unix(now), {"id": "ftjob-test"})
     headers = signed_headers(new_id("wh_"), payload, signing_secrets(ep, now, settings), now=now)
-    result = asyncio.run(send_attempt(ep.url, headers, payload, allowlist=settings.outbound_allowlist,
-                                      timeout_s=settings.webhook_timeout_s))
+    return TestSend(ep.id, body.event_type, ep.url, headers, payload)
+
+
+async def send_test(test: TestSend, *, settings: Settings) -> EndpointTestResult:
+    """Send a prepared test event and answer with the endpoint's status code and whether a real
+    delivery would count it as delivered (a 2xx). Test sends are not retried and not logged as
+    deliveries."""
+    result = await send_attempt(test.url, test.headers, test.payload, allowlist=settings.outbound_allowlist,
+                                timeout_s=settings.webhook_timeout_s)
     if result.status_code is None:
-        raise APIError(400, f"The test event could not be delivered to '{ep.url}': {result.error}.",
+        raise APIError(400, f"The test event could not be delivered to '{test.url}': {result.error}.",
                        code="webhook_endpoint_unreachable", param="url")
     error = None if result.succeeded else (
         f"Not delivered: {result.error}. Deliveries count only a 2xx answer as delivered, so real events sent to "
         "this URL would be retried and then fail.")
-    return EndpointTestResult(webhook_endpoint_id=ep.id, event_type=body.event_type, status_code=result.status_code,
-                              success=result.succeeded, latency_ms=result.latency_ms, error=error)
+    return EndpointTestResult(webhook_endpoint_id=test.endpoint_id, event_type=test.event_type,
+                              status_code=result.status_code, success=result.succeeded, latency_ms=result.latency_ms,
+                              error=error)
 
 
 # --- deliveries and their attempt log (this service's extension) ---------------------------
