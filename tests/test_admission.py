@@ -16,6 +16,7 @@ from app.core.admission import DatabaseTurns
 from app.core.config import Settings
 from app.core.errors import APIError
 from tests.conftest import live_server
+from tests.webhook_helpers import receiver
 
 
 def test_a_request_past_the_turns_waits_then_is_refused_with_retry_after():
@@ -65,3 +66,20 @@ def test_more_database_requests_than_connections_is_refused_at_start():
     with pytest.raises(ValidationError, match="exceeds the connections"):
         Settings(_env_file=None, db_pool_size=5, db_max_overflow=5, api_db_requests=11)
     assert Settings(_env_file=None, db_pool_size=5, db_max_overflow=5).resolved_api_db_requests == 6
+
+
+def test_a_request_waiting_on_a_slow_peer_gives_its_turn_back(settings, project):
+    # One turn. A webhook test send waits on a receiver that holds its answer; meanwhile the API
+    # serves other requests: the waiting request holds no turn and no connection.
+    settings.api_db_requests, settings.api_queue_timeout_s = 1, 2.0
+    settings.outbound_allowlist = ["127.0.0.1"]
+    with receiver(block_first=True) as hook, live_server(settings) as base, \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
+        created = sdk.webhooks.create(name="slow", url=hook.url, event_types=["fine_tuning.job.succeeded"])
+        hook.secret = created.signing_secret
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(sdk.webhooks.test, created.id, event_type="fine_tuning.job.succeeded")
+            assert hook.got_request.wait(10)
+            assert [sdk.models.list().data for _ in range(5)]  # each within the 2 s a turn may be waited for
+            hook.release.set()
+            assert sending.result().status_code == 200
