@@ -46,12 +46,13 @@ class DatabaseTurns:
             turns = self._turns[loop] = asyncio.Semaphore(self.capacity)
         return turns
 
-    async def take(self) -> Callable[[], None]:
-        """Wait for a turn (503 `server_busy` when none came within `wait_s`); returns what gives it
-        back, which does so once however often it is called."""
+    async def take(self, *, patient: bool = False) -> Callable[[], None]:
+        """Wait for a turn (503 `server_busy` when none came within `wait_s`; `patient`: as long as
+        it takes, for work after a response, which nobody could be told to retry); returns what
+        gives it back, which does so once however often it is called."""
         turns = self._semaphore()
         try:
-            async with asyncio.timeout(self.wait_s):
+            async with asyncio.timeout(None if patient else self.wait_s):
                 await turns.acquire()
         except TimeoutError:
             API_BUSY_REFUSALS.inc()

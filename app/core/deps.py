@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
-from fastapi import Depends, Query, Request
+from fastapi import BackgroundTasks, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
@@ -58,6 +58,23 @@ async def done_with_database(request: Request) -> None:
     database = getattr(request.state, "database", None)
     if database is not None:
         await database.close(commit=True)
+
+
+def after_response(background: BackgroundTasks, request: Request, work: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> None:
+    """Run `work(*args, **kwargs)` (synchronous; it opens its own sessions) once the response is sent, so after
+    the request's commit, in its own turn at the database: work a burst of requests leaves behind
+    (file validations, hand-offs to the broker) never takes the connections the requests need."""
+    turns = request.app.state.database_turns
+
+    async def in_its_turn() -> None:
+        give_back = await turns.take(patient=True)
+        try:
+            await run_in_threadpool(work, *args, **kwargs)
+        finally:
+            give_back()
+
+    background.add_task(in_its_turn)
 
 
 def _settings(request: Request) -> Settings:

@@ -301,10 +301,6 @@ def metrics_csv(job_id: str, user: DataUser, session: SessionDep) -> Response:
                     headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
 
 
-def _send_later(request: Request, job_id: str) -> None:
-    pipeline.send_to_workers(request.app.state.session_factory, request.app.state.queue, job_id)
-
-
 @router.post("/jobs/{job_id}/{action}")
 def job_action(request: Request, job_id: str, action: str, user: PageUser, session: SessionDep,
                background: BackgroundTasks, csrf_token: str = Form("")) -> Response:
@@ -313,7 +309,7 @@ def job_action(request: Request, job_id: str, action: str, user: PageUser, sessi
         return _not_found(request, user, f"action {action}")
     job = jobs.apply_action(session=session, project_id=user.project_id, job_id=job_id, action=action)
     if job.status == "queued":  # after SessionDep's commit, as the API's resume does
-        background.add_task(_send_later, request, job_id)
+        pipeline.send_after_response(background, request, job_id)
     past = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[action]
     return _redirect(f"/dashboard/jobs/{job_id}?notice={past}")
 

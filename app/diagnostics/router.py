@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
 
-from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep, after_response
 from app.core.pagination import ListPage
 from app.diagnostics import pipeline, service
 from app.diagnostics.schemas import DiagnosticCreate, DiagnosticObject, DiagnosticRolloutObject
@@ -15,9 +15,10 @@ from app.diagnostics.schemas import DiagnosticCreate, DiagnosticObject, Diagnost
 router = APIRouter(prefix="/v1/fine_tuning/alpha/diagnostics", tags=["diagnostics"])
 
 
-def _validate_later(request: Request, diagnostic_id: str) -> None:
+def _validate_later(background: BackgroundTasks, request: Request, diagnostic_id: str) -> None:
     state = request.app.state
-    pipeline.run_validation(state.session_factory, state.storage, state.queue, diagnostic_id)
+    after_response(background, request, pipeline.run_validation, state.session_factory, state.storage, state.queue,
+                   diagnostic_id)
 
 
 @router.post("", response_model=DiagnosticObject)
@@ -35,7 +36,7 @@ def create_diagnostic(
     diagnostic, created = service.create(session=session, settings=settings, project_id=principal.project_id,
                                          body=body, idempotency_key=idempotency_key)
     if created:  # after SessionDep's commit: the validator sees the diagnostic
-        background.add_task(_validate_later, request, diagnostic.id)
+        _validate_later(background, request, diagnostic.id)
     return diagnostic
 
 

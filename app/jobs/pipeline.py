@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fastapi import BackgroundTasks, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.core.deps import after_response
 from app.core.queue import JobQueue
 from app.files.models import StoredFile
 from app.files.storage import Storage
@@ -117,6 +119,12 @@ def send_to_workers(factory: sessionmaker[Session], queue: JobQueue, job_id: str
         if job is not None:
             add_event(session, job, "Job sent to the training queue.", data={"task_id": task_id})
     return True
+
+
+def send_after_response(background: BackgroundTasks, request: Request, job_id: str) -> None:
+    """Hand the job to the broker once the response, and so the commit of its status, is done."""
+    state = request.app.state
+    after_response(background, request, send_to_workers, state.session_factory, state.queue, job_id)
 
 
 def recover(factory: sessionmaker[Session], storage: Storage, queue: JobQueue, *, min_rows: int) -> None:

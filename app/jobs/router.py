@@ -7,7 +7,7 @@ from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep
+from app.core.deps import CurrentKey, RowIndex, SessionDep, SettingsDep, after_response
 from app.core.pagination import ListPage
 from app.jobs import checkpoints, pipeline, service
 from app.jobs.schemas import CheckpointObject, JobCreate, JobEventObject, JobObject, RolloutObject, Split
@@ -18,14 +18,10 @@ _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
-def _validate_later(request: Request, job_id: str) -> None:
+def _validate_later(background: BackgroundTasks, request: Request, job_id: str) -> None:
     state = request.app.state
-    pipeline.run_validation(state.session_factory, state.storage, state.queue, job_id,
-                            min_rows=state.settings.min_training_rows)
-
-
-def _send_later(request: Request, job_id: str) -> None:
-    pipeline.send_to_workers(request.app.state.session_factory, request.app.state.queue, job_id)
+    after_response(background, request, pipeline.run_validation, state.session_factory, state.storage, state.queue,
+                   job_id, min_rows=state.settings.min_training_rows)
 
 
 @router.post("", response_model=JobObject)
@@ -43,7 +39,7 @@ def create_job(
     )
     if created:
         # Runs after the response, so after SessionDep's commit: the validator sees the job.
-        background.add_task(_validate_later, request, job.id)
+        _validate_later(background, request, job.id)
     return job
 
 
@@ -68,7 +64,7 @@ def _action(action: str):  # noqa: ANN202
     ) -> JobObject:
         job = service.apply_action(session=session, project_id=principal.project_id, job_id=fine_tuning_job_id, action=action)
         if job.status == "queued":  # resumed (not kept by its worker): sent after SessionDep's commit, as above
-            background.add_task(_send_later, request, job.id)
+            pipeline.send_after_response(background, request, job.id)
         return job
 
     endpoint.__name__ = f"{action}_job"

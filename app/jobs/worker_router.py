@@ -93,6 +93,5 @@ def finish_job(job_id: str, body: FinishPush, request: Request, background: Back
     pause is queued again, and sent to the workers after the commit."""
     result = service.finish(session=session, storage=request.app.state.storage, job_id=job_id, body=body)
     if result.status == "queued":
-        state = request.app.state
-        background.add_task(pipeline.send_to_workers, state.session_factory, state.queue, job_id)
+        pipeline.send_after_response(background, request, job_id)
     return result
