@@ -77,12 +77,19 @@ def test_trace_ids_call_ids_item_and_headers(tokenizer):
     assert len({b["call_id"] for b in (e["body"] for e in recorder.calls)}) == len(recorder.calls)
 
 
+def graded_finish(record) -> tuple[str, str]:  # noqa: ANN001
+    """(the finish reason a grader's sample gives, in OpenAI's words; the rollout's own, kept beside it)."""
+    choice = record.grader_sample()["choices"][0]
+    return choice["finish_reason"], choice["x_finish_reason"]
+
+
 def test_tool_budget_is_enforced_and_announced(tokenizer):
     scripts = {"greedy": [call("search", query=f"q{i}") for i in range(6)]}
     with tool_server() as (url, recorder):
         records, _ = run(tokenizer, scripts, [spec(0, "greedy")], url, config=EngineConfig(max_episode_steps=2))
     record = records[0]
     assert record.finish_reason == "tool_budget"
+    assert graded_finish(record) == ("tool_calls", "tool_budget")
     assert len(recorder.calls) == 2 and len(record.tool_calls) == 2
     notice = [m["content"] for m in record.messages if m["role"] == "user" and "used all your tool calls" in m["content"]]
     # The notice repeats the question, so a small model answers it rather than the tool output.
@@ -121,6 +128,7 @@ def test_client_errors_reach_the_model_and_server_errors_end_the_rollout(tokeniz
     assert recover.tool_calls[0].status == "client_error" and recover.tool_calls[0].status_code == 400
     assert "query too short" in recover.messages[2]["content"]
     assert fail.finish_reason == "tool_failure" and fail.tool_calls[0].status == "failed"
+    assert graded_finish(recover) == ("stop", "answered") and graded_finish(fail) == ("tool_calls", "tool_failure")
     assert sum(1 for e in recorder.calls if e["body"]["name"] == "broken") == 4  # 1 + 3 retries
 
 
@@ -134,6 +142,7 @@ def test_parse_errors_are_fed_back_then_end_the_rollout(tokenizer):
     assert fixed.finish_reason == "answered" and fixed.parse_errors == 1 and len(fixed.tool_calls) == 1
     assert "query" in fixed.messages[2]["content"]  # the feedback names the bad argument
     assert junk.finish_reason == "parse_error" and junk.parse_errors == 3 and junk.tool_calls == []
+    assert graded_finish(junk) == ("stop", "parse_error")
 
 
 def test_token_cap_and_context_overflow(tokenizer):
@@ -149,6 +158,7 @@ def test_token_cap_and_context_overflow(tokenizer):
     assert capped[0].finish_reason == "token_cap" and capped[0].completion_tokens == 64  # the per-turn cap
     assert capped_total[0].finish_reason == "token_cap" and capped_total[0].completion_tokens == 100
     assert overflow[0].finish_reason == "truncated" and len(overflow[0].token_ids) <= 700
+    assert graded_finish(capped[0]) == ("length", "token_cap") and graded_finish(overflow[0]) == ("length", "truncated")
 
 
 def test_loss_mask_marks_exactly_the_sampled_tokens(tokenizer):

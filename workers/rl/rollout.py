@@ -25,6 +25,10 @@ from workers.rl.toolcalls import ToolSchema
 from workers.rl.tools_client import ToolResult
 
 FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
+# What a grader's `sample.choices[0].finish_reason` says for each, in OpenAI's words: the model stopped
+# on its own, was cut off, or its last turn asked for tool calls.
+OPENAI_FINISH_REASONS = {"answered": "stop", "parse_error": "stop", "token_cap": "length", "truncated": "length",
+                         "tool_budget": "tool_calls", "tool_failure": "tool_calls", "deadline": "tool_calls"}
 
 
 @dataclass
@@ -127,7 +131,8 @@ class RolloutRecord:
         return {
             "output_text": self.final_answer,
             "output_tools": output_tools,
-            "choices": [{"index": 0, "finish_reason": self.finish_reason,
+            "choices": [{"index": 0, "finish_reason": OPENAI_FINISH_REASONS.get(self.finish_reason, "stop"),
+                         "x_finish_reason": self.finish_reason,
                          "message": {"role": "assistant", "content": self.final_answer}}],
             "trajectory": self.messages,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -139,6 +139,7 @@ class ToolResult:
     status: ToolStatus
     output: str  # what the model sees as the tool's output
     status_code: int | None = None  # HTTP status of the last attempt
+    reply: str | None = None  # the last attempt's reply body as received (cut at the size cap)
     latency_s: float = 0.0  # wall time of the whole call, retries and waits included
     bytes: int = 0  # size of the reply body (Content-Length when the server declared one)
     attempts: int = 0
@@ -185,6 +186,7 @@ class _Attempt:
     status: ToolStatus
     output: str = ""
     status_code: int | None = None
+    reply: str | None = None
     size: int = 0
     truncated: bool = False
     error: str | None = None
@@ -269,17 +271,18 @@ class ToolClient:
                        "hit_rate": c.hits / c.lookups if c.lookups else 0.0} for name, c in self._caches.items()}
 
     async def call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict,
-                   on_cancel: Callable[[ToolResult], None] | None = None) -> ToolResult:
-        """POST one function call to its tool server and return what the model should see.
+                   on_cancel: Callable[[ToolResult], None] | None = None, item_id: str | None = None) -> ToolResult:
+        """POST one function call to its tool server and return what the model should see. The
+        body's `id` is `item_id`, else a new `fc_` id.
 
         Cancelled, it first hands `on_cancel` a failed result of what the call did until then."""
         result = await self._call(trace_id=trace_id, call_id=call_id, name=name, arguments_json=arguments_json,
-                                  item=item, on_cancel=on_cancel)
+                                  item=item, on_cancel=on_cancel, item_id=item_id)
         record_tool_call(name, result.status, result.latency_s, known=name in self._tools)
         return result
 
     async def _call(self, *, trace_id: str, call_id: str, name: str, arguments_json: str, item: dict,
-                    on_cancel: Callable[[ToolResult], None] | None) -> ToolResult:
+                    on_cancel: Callable[[ToolResult], None] | None, item_id: str | None) -> ToolResult:
         started = time.monotonic()
         tool = self._tools.get(name)
         if tool is None:
@@ -292,7 +295,7 @@ class ToolClient:
         if side_effects and self.non_read_only == "skip":
             message = f"error: the call of '{name}' was skipped: it is not read-only and this run skips such tools"
             return ToolResult(name=name, call_id=call_id, status="skipped", output=message, error=message)
-        body = {"type": "function_call", "id": new_id("fc_"), "call_id": call_id, "name": name,
+        body = {"type": "function_call", "id": item_id or new_id("fc_"), "call_id": call_id, "name": name,
                 "arguments": arguments_json, "trace_id": trace_id, "item": item}
         if side_effects and self.non_read_only == "dry_run":
             body["dry_run"] = True
@@ -426,7 +429,7 @@ class ToolClient:
         if response.is_success:
             output = text if truncated else _output_from(text)  # a cut-off JSON reply cannot be parsed
             return _Attempt(status="ok", output=self._with_truncation_notice(output, truncated), status_code=code,
-                            size=size, truncated=truncated)
+                            reply=text, size=size, truncated=truncated)
         if retryable_status(code):
             return _Attempt(status="failed", status_code=code, size=size, retryable=True,
                             error=f"HTTP {code}: {excerpt(text)}", throttled=code in THROTTLE_STATUS,
@@ -434,7 +437,8 @@ class ToolClient:
         if 400 <= code < 500:
             output = text if text.strip() else f"error: the tool answered HTTP {code} {response.reason_phrase}"
             return _Attempt(status="client_error", output=self._with_truncation_notice(output, truncated),
-                            status_code=code, size=size, truncated=truncated, error=f"HTTP {code}: {excerpt(text)}")
+                            status_code=code, reply=text, size=size, truncated=truncated,
+                            error=f"HTTP {code}: {excerpt(text)}")
         location = response.headers.get("location", "")
         error = f"HTTP {code}" + (f" redirect to {location} (redirects are not followed)" if location else "")
         return _Attempt(status="failed", status_code=code, size=size, error=error)
@@ -451,7 +455,7 @@ class ToolClient:
             output = f"error: the tool call failed after {attempts} attempt(s): {attempt.error}"
         return ToolResult(
             name=name, call_id=call_id, status=attempt.status, output=output, status_code=attempt.status_code,
-            latency_s=latency_s, bytes=attempt.size, attempts=attempts, error=attempt.error,
+            reply=attempt.reply, latency_s=latency_s, bytes=attempt.size, attempts=attempts, error=attempt.error,
             truncated=attempt.truncated, throttled=attempt.throttled_answers, throttle_wait_s=attempt.throttle_wait_s,
             concurrency=attempt.concurrency,
         )
