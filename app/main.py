@@ -35,6 +35,7 @@ from app.jobs.router import router as jobs_router
 from app.jobs.watchdog import expire_job_leases
 from app.jobs.worker_router import router as jobs_worker_router
 from app.observability.router import router as metrics_router
+from app.responses.router import router as responses_router
 from app.serving.router import router as serving_router
 from app.tool_run.router import router as tool_run_router
 from app.webhooks.dispatcher import sweep
@@ -130,7 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # No NUL in a path, query, form or JSON string; JSON at most 64 levels deep (docs/security.md).
     app.add_middleware(InputLimits)
     for router in (files_router, jobs_router, checkpoint_permissions_router, graders_router, diagnostics_router,
-                   webhooks_router, serving_router, tool_run_router):
+                   webhooks_router, serving_router, responses_router, tool_run_router):
         app.include_router(router)
     # /internal/v1: what workers call, with the worker token
     for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, webhooks_worker_router):

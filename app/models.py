@@ -6,10 +6,11 @@ from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.files.models import StoredFile
 from app.idempotency.models import IdempotencyRecord
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
+from app.responses.models import StoredResponse
 from app.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 __all__ = [
     "ApiKey", "Base", "Checkpoint", "Diagnostic", "DiagnosticRollout", "IdempotencyRecord", "Job", "JobEvent",
-    "JobMetric", "JobRollout", "JobStep", "Project", "StoredFile", "WebhookAttempt", "WebhookDelivery",
+    "JobMetric", "JobRollout", "JobStep", "Project", "StoredFile", "StoredResponse", "WebhookAttempt", "WebhookDelivery",
     "WebhookEndpoint", "WebhookEvent", "WorkerEventKey",
 ]

@@ -77,6 +77,23 @@ def after_response(background: BackgroundTasks, request: Request, work: Callable
     background.add_task(in_its_turn)
 
 
+async def in_own_transaction(request: Request, work: Callable[..., Any], **kwargs: Any) -> Any:
+    """`work(session=..., **kwargs)` in a transaction of its own, in its own turn at the database
+    (waited for as long as it takes): what a route runs after it gave its turn back, e.g. storing
+    what the model answered."""
+    give_back = await request.app.state.database_turns.take(patient=True)
+    factory = request.app.state.session_factory
+
+    def run() -> Any:
+        with factory.begin() as session:
+            return work(session=session, **kwargs)
+
+    try:
+        return await run_in_threadpool(run)
+    finally:
+        give_back()
+
+
 def _settings(request: Request) -> Settings:
     return request.app.state.settings
 

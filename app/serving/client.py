@@ -51,17 +51,57 @@ class InferenceClient:
 
     async def complete(self, body: dict[str, Any], model: dict[str, Any]) -> Response:
         """Non-streaming: the inference server's JSON answer (success or OpenAI-shaped error) as is."""
+        answer = await self._post(body, model)
+        return _relay(self.settings, answer.status_code, answer.content, answer.headers)
+
+    async def completion(self, body: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+        """Non-streaming, for a route that answers in another shape: the chat completion; the
+        inference server's error (429 with its Retry-After, 4xx) raised as the APIError it answered."""
+        answer = await self._post(body, model)
+        relayed = _relay(self.settings, answer.status_code, answer.content, answer.headers)
+        if answer.status_code != 200:
+            raise _as_error(relayed)
+        return json.loads(relayed.body)
+
+    async def _post(self, body: dict[str, Any], model: dict[str, Any]) -> httpx.Response:
         try:
-            answer = await self.http.post(COMPLETIONS_PATH, json={"request": body, "model": model})
+            return await self.http.post(COMPLETIONS_PATH, json={"request": body, "model": model})
         except httpx.TimeoutException as exc:
             raise unavailable(self.settings, f"no answer within {self.settings.inference_timeout_s:.0f} s") from exc
         except httpx.HTTPError as exc:
             raise unavailable(self.settings, _describe(exc)) from exc
-        return _relay(self.settings, answer.status_code, answer.content, answer.headers)
 
     async def stream(self, body: dict[str, Any], model: dict[str, Any]) -> Response:
         """Streaming: waits for the inference server to accept the request (so a bad request is
         still a plain 4xx), then relays its server-sent events as they come."""
+        answer = await self._open_stream(body, model)
+        if isinstance(answer, Response):
+            return answer
+        return StreamingResponse(self._relay_events(answer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chunks(self, body: dict[str, Any], model: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Streaming, for a route that answers in another shape: waits for the inference server to
+        accept the request (its refusal raised as an APIError), then yields each chat completion
+        chunk as it comes."""
+        answer = await self._open_stream(body, model)
+        if isinstance(answer, Response):
+            raise _as_error(answer)
+        return self._parsed_events(answer)
+
+    async def _parsed_events(self, answer: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for line in answer.aiter_lines():
+                data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                if data and data != "[DONE]":
+                    yield json.loads(data)
+        except httpx.HTTPError as exc:
+            raise unavailable(self.settings, f"the stream broke off ({_describe(exc)})") from exc
+        finally:
+            await answer.aclose()
+
+    async def _open_stream(self, body: dict[str, Any], model: dict[str, Any]) -> httpx.Response | Response:
+        """The accepted stream, or the inference server's refusal relayed as a response."""
         request = self.http.build_request("POST", COMPLETIONS_PATH, json={"request": body, "model": model})
         try:
             answer = await self.http.send(request, stream=True)
@@ -69,16 +109,15 @@ class InferenceClient:
             raise unavailable(self.settings, f"no answer within {self.settings.inference_timeout_s:.0f} s") from exc
         except httpx.HTTPError as exc:
             raise unavailable(self.settings, _describe(exc)) from exc
-        if answer.status_code != 200:
-            try:
-                content = await answer.aread()
-            except httpx.HTTPError as exc:
-                raise unavailable(self.settings, _describe(exc)) from exc
-            finally:
-                await answer.aclose()
-            return _relay(self.settings, answer.status_code, content, answer.headers)
-        return StreamingResponse(self._relay_events(answer), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if answer.status_code == 200:
+            return answer
+        try:
+            content = await answer.aread()
+        except httpx.HTTPError as exc:
+            raise unavailable(self.settings, _describe(exc)) from exc
+        finally:
+            await answer.aclose()
+        return _relay(self.settings, answer.status_code, content, answer.headers)
 
     async def _relay_events(self, answer: httpx.Response) -> AsyncIterator[bytes]:
         try:
@@ -102,6 +141,15 @@ def _relay(settings: Settings, status: int, content: bytes, headers: httpx.Heade
     except ValueError as exc:
         raise unavailable(settings, f"it answered HTTP {status} with a body that is not JSON") from exc
     return JSONResponse(payload, status_code=status, headers=_relayed_headers(headers))
+
+
+def _as_error(relayed: Response) -> APIError:
+    """The inference server's error answer (OpenAI's shape, relayed) as the APIError to raise."""
+    error = json.loads(relayed.body).get("error") or {}
+    retry_after = relayed.headers.get("retry-after")
+    return APIError(relayed.status_code, error.get("message") or "The inference server refused the request.",
+                    code=error.get("code"), param=error.get("param"), type=error.get("type") or "server_error",
+                    headers={"Retry-After": retry_after} if retry_after else None)
 
 
 def _relayed_headers(headers: httpx.Headers) -> dict[str, str]:

@@ -6,12 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from app.core.deps import CurrentKey, SessionDep, SettingsDep, done_with_database
-from app.core.errors import APIError, bad_request
+from app.core.errors import bad_request
+from app.core.openai_body import parse_body
 from app.serving import service
 from app.serving.client import InferenceClient
 from app.serving.schemas import ChatCompletionRequest, ModelDeleted, ModelList, ModelObject, NamedToolChoice
@@ -19,7 +18,7 @@ from app.serving.schemas import ChatCompletionRequest, ModelDeleted, ModelList, 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
 
-def _inference(request: Request) -> InferenceClient:
+def inference_client(request: Request) -> InferenceClient:
     state = request.app.state
     if getattr(state, "inference", None) is None:
         state.inference = InferenceClient(state.settings)
@@ -28,20 +27,7 @@ def _inference(request: Request) -> InferenceClient:
 
 def check_request(body: Any) -> ChatCompletionRequest:
     """The request as OpenAI's SDK sends it; 400 naming the first field that is wrong or unsupported."""
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    unknown = sorted(set(body) - set(ChatCompletionRequest.model_fields))
-    if unknown:
-        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", code="unsupported_parameter",
-                       param=unknown[0])
-    try:
-        checked = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    unsupported = checked.unsupported_field()
-    if unsupported:
-        raise APIError(400, f"'{unsupported}' is not supported by this service (only its default value is accepted).",
-                       code="unsupported_parameter", param=unsupported)
+    checked = parse_body(ChatCompletionRequest, body)
     _check_tool_choice(checked)
     if checked.stream_options is not None and not checked.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
@@ -69,7 +55,7 @@ async def create_chat_completion(
                                     project_id=principal.project_id, name=checked.model)
     await done_with_database(request)  # the model's answer may take minutes
     payload = checked.model_dump(exclude_none=True)
-    inference = _inference(request)
+    inference = inference_client(request)
     if checked.stream:
         return await inference.stream(payload, model.to_wire())
     return await inference.complete(payload, model.to_wire())

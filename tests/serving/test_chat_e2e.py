@@ -510,3 +510,102 @@ def test_deleting_the_fine_tuned_model_keeps_its_checkpoints(trained: Trained):
         with pytest.raises(openai.NotFoundError):
             sdk.models.delete(trained.model)  # deleting twice
         assert ask(sdk, trained.checkpoints[3][1]).choices  # the checkpoints stay callable
+
+
+# --- the Responses API ----------------------------------------------------------------------------------
+
+SEARCH_TOOL = {"type": "function", "name": "search", "description": "Search the reports", "strict": True,
+               "parameters": SEARCH["function"]["parameters"]}
+# What a forced call is asked with, as in the chat round trip above: SmolLM2 then closes its call.
+CALL = {"instructions": WORKED_EXAMPLE, "input": "What was Acme Corp revenue in 2022?", "tools": [SEARCH_TOOL],
+        "max_output_tokens": 60, "temperature": 0, "store": False}
+
+
+def test_a_response_is_the_greedy_chat_completion_of_the_same_conversation(trained: Trained):
+    with trained.sdk() as sdk:
+        chat = ask(sdk, SMOLLM2, messages=[{"role": "system", "content": "Be brief."}, *HELLO])
+        response = sdk.responses.create(model=SMOLLM2, instructions="Be brief.", input=HELLO[0]["content"],
+                                        max_output_tokens=12, temperature=0, store=False)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    [message] = response.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+
+
+def test_a_required_tool_call_is_a_function_call_item_and_its_output_continues(trained: Trained):
+    with trained.sdk() as sdk:
+        first = sdk.responses.create(model=SMOLLM2, tool_choice="required", reasoning={"effort": "low"},
+                                     include=["reasoning.encrypted_content"], parallel_tool_calls=True, **CALL)
+        calls = [item for item in first.output if item.type == "function_call"]
+        assert calls and calls[0].name == "search" and calls[0].call_id
+        assert isinstance(json.loads(calls[0].arguments), dict)
+        assert not [item for item in first.output if item.type == "reasoning"]  # no reasoning to include
+        context = [{"role": "user", "content": CALL["input"]}, *[item.model_dump() for item in first.output],
+                   {"type": "function_call_output", "call_id": calls[0].call_id,
+                    "output": json.dumps({"document": "ACME revenue 2001 was 101 million"})}]
+        second = sdk.responses.create(model=SMOLLM2, **{**CALL, "input": context, "tool_choice": "none",
+                                                         "max_output_tokens": 12})
+    assert second.output_text and second.output[0].type == "message"
+
+
+def streamed(sdk: openai.OpenAI, **options):  # noqa: ANN003, ANN201
+    """(the event types, the final response) of `client.responses.stream`; an answer cut by
+    max_output_tokens ends with `response.incomplete`, which the SDK's get_final_response does not take."""
+    with sdk.responses.stream(**options) as stream:
+        events = list(stream)
+    return [event.type for event in events], events[-1].response
+
+
+def test_streamed_responses_build_the_same_answer_and_tool_call(trained: Trained):
+    options = {"model": SMOLLM2, "input": HELLO, "temperature": 0, "store": False}
+    with trained.sdk() as sdk:
+        plain = sdk.responses.create(max_output_tokens=12, **options)
+        kinds, final = streamed(sdk, max_output_tokens=12, **options)
+        assert final.output_text == plain.output_text and final.status == plain.status
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+        called = dict(CALL, model=SMOLLM2, tool_choice={"type": "function", "name": "search"})
+        plain_call = sdk.responses.create(**called)
+        kinds, streamed_call = streamed(sdk, **called)
+    [call] = [item for item in streamed_call.output if item.type == "function_call"]
+    [expected] = [item for item in plain_call.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == (expected.name, expected.arguments)
+    assert "response.function_call_arguments.done" in kinds
+
+
+def test_stored_responses_continue_are_read_and_deleted_within_their_project(trained: Trained):
+    with trained.sdk() as sdk, trained.sdk(trained.other_key) as other:
+        first = sdk.responses.create(model=SMOLLM2, input=HELLO, temperature=0, max_output_tokens=8,
+                                     metadata={"run": "a"})
+        assert sdk.responses.retrieve(first.id).output_text == first.output_text
+        second = sdk.responses.create(model=SMOLLM2, input="And in 2002?", previous_response_id=first.id,
+                                      temperature=0, max_output_tokens=8)
+        # The chain is the conversation: the same as sending the whole history at once.
+        whole = sdk.responses.create(model=SMOLLM2, temperature=0, max_output_tokens=8, store=False, input=[
+            *HELLO, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And in 2002?"}])
+        assert second.output_text == whole.output_text and second.previous_response_id == first.id
+        for refused in (lambda: other.responses.retrieve(first.id),
+                        lambda: other.responses.create(model=SMOLLM2, input="hi", previous_response_id=first.id)):
+            with pytest.raises(openai.NotFoundError):
+                refused()
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(whole.id)  # store=False kept nothing
+        sdk.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(first.id)
+
+
+def test_bad_responses_requests_name_the_parameter(trained: Trained):
+    with trained.sdk() as sdk:
+        for kwargs, param in (({"input": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
+                              ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+                              ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+                              ({"input": "hi", "truncation": "auto"}, "truncation")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.responses.create(model=SMOLLM2, **kwargs)
+            assert refused.value.param == param, refused.value

@@ -7,7 +7,8 @@ tool-call parser as in training rollouts. What the agent learned is what it does
 
 `tool_choice`: "auto" (the default with tools) parses calls; "none" renders no tools and parses
 none; a named function or "required" starts the model's turn with the parser's call syntax
-(`<tool_call>{"name": "search", "arguments": {` or `<tool_call>{"name": "`), so the turn is a call.
+(`<tool_call>{"name": "search", "arguments": {` or `<tool_call>{"name": "`), so the turn is a call;
+"required" with a single tool names it, as there is no other to call.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def plan(request: dict[str, Any], model_name: str, served: ServedModel, *, defau
         prompt_ids = formatter.prompt_ids(request["messages"], tools if parse_tools else None)
     except ValueError as exc:  # ChatTemplateError is a ValueError; so are bad messages
         raise BadChatRequest(f"The messages cannot be rendered for this model: {exc}", param="messages") from exc
-    forced = _forced_prefix(formatter.parser, choice)
+    forced = _forced_prefix(formatter.parser, choice, tools)
     context_ids = prompt_ids + (formatter.encode(forced) if forced else [])
     max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
     _check_context(len(context_ids), max_tokens, served.max_context)
@@ -89,13 +90,14 @@ def _choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 1_000_003 + index) % (2**63)
 
 
-def _forced_prefix(parser: Any, choice: Any) -> str:
+def _forced_prefix(parser: Any, choice: Any, tools: list[ToolSchema]) -> str:
     open_tag = getattr(parser, "OPEN", None)
     if open_tag is None or choice in ("auto", "none"):
         return ""
-    if choice == "required":
+    if choice == "required" and len(tools) != 1:
         return open_tag + '{"name": "'
-    name = choice["function"]["name"]
+    # A named function, or "required" with one tool to call: the call is that tool's.
+    name = tools[0].name if choice == "required" else choice["function"]["name"]
     return open_tag + json.dumps({"name": name})[:-1] + ', "arguments": {'
 
 
