@@ -1,6 +1,6 @@
 """A tool server written the way OpenAI's Agent RFT example server is (its public contract): one
-route per tool, a bearer token, `arguments` as a JSON string, the reply `{"output", "call_id", "id"}`.
-It records every request it receives."""
+route per tool, a bearer token, `arguments` as a JSON string, the reply `{"output", "call_id", "id"}`;
+and a customer's endpoint grader at `/grade`. It records every request it receives."""
 
 from __future__ import annotations
 
@@ -53,6 +53,14 @@ def make_app(received: Received) -> FastAPI:
     async def list_reports(request: Request) -> dict[str, Any]:
         body, _ = await arguments_of(request)
         return reply(body, {"entries": sorted(REPORTS)})
+
+    @app.post("/grade")
+    async def grade(request: Request) -> dict[str, Any]:
+        """A customer's endpoint grader: 1 when the answer names the reference figure, else 0."""
+        body = await request.json()
+        received.calls.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        answer = str(body["sample"].get("output_text") or "")
+        return {"score": 1.0 if str(body["item"].get("reference_answer", "")) in answer else 0.0}
 
     return app
 

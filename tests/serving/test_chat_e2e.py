@@ -27,6 +27,7 @@ from tests.conftest import (
     REDIS_URL, _truncate_all, agent_rft_inference, agent_rft_process, agent_rft_worker, free_port, jsonl, live_server,
     make_project, wait_for,
 )
+from tests.harness_tool_server import TOKEN as HARNESS_TOKEN, harness_tool_server
 from tests.rl.tool_server import tool_server
 
 TOKEN = "serving-worker-token"
@@ -609,3 +610,58 @@ def test_bad_responses_requests_name_the_parameter(trained: Trained):
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.responses.create(model=SMOLLM2, **kwargs)
             assert refused.value.param == param, refused.value
+
+
+def run_harness_item(sdk: openai.OpenAI, base_url: str, tools_url: str, item: dict, *, text_format: dict | None,
+                     budget: int = 3) -> dict:
+    """One item of OpenAI's Agent RFT evaluation loop, written from its public contract: the Responses
+    API with the harness's arguments, every function call run through tool/run and its `output` fed
+    back, until a final message; then the answer graded through graders/run. The first turn must
+    search (tool_choice "required", as a harness does when a lookup must come first); the last one,
+    at the budget, must answer."""
+    context: list = [{"role": "user", "content": item["question"]}]
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    tools = [SEARCH_TOOL]
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {sdk.api_key}"}, timeout=120) as http:
+        for turn in range(budget):
+            choice = "required" if turn == 0 else ("none" if turn == budget - 1 else "auto")
+            response = sdk.responses.create(
+                model=SMOLLM2, instructions=WORKED_EXAMPLE, input=context, tools=tools, tool_choice=choice,
+                reasoning={"effort": "low"}, store=False, include=["reasoning.encrypted_content"],
+                parallel_tool_calls=True, text={"format": text_format}, max_output_tokens=60, temperature=0)
+            usage = {key: usage[key] + getattr(response.usage, key) for key in usage}
+            context += response.output
+            calls = [o for o in response.output if o.type == "function_call"]
+            if not calls:
+                return {"answer": response.output_text, "usage": usage, "turns": turn + 1,
+                        "grade": sdk.fine_tuning.alpha.graders.run(
+                            grader={"type": "endpoint", "name": "checker", "url": f"{tools_url}/grade"},
+                            model_sample=response.output_text, item=item)}
+            for call in calls:
+                ran = http.post("/v1/fine_tuning/alpha/tool/run", json={
+                    "type": "function_call", "name": call.name, "server_url": f"{tools_url}/{call.name}",
+                    "headers": {"Accept": "application/json", "Content-Type": "application/json",
+                                "Authorization": f"Bearer {HARNESS_TOKEN}"},
+                    "arguments": call.arguments, "item": item, "trace_id": f"trace_{item['id']}", "id": "tmp_user_id",
+                    "call_id": call.call_id})
+                assert ran.status_code == 200, ran.text
+                context.append({"type": "function_call_output", "call_id": call.call_id, "output": ran.json()["output"]})
+    raise AssertionError(f"no final message within {budget} turns")
+
+
+def test_openai_agent_rft_harness_loop_runs_unchanged(trained: Trained):
+    items = [{"id": 1, "question": "What was ACME revenue in 2023?", "reference_answer": "412"},
+             {"id": 2, "question": "What was Globex revenue in 2023?", "reference_answer": "97"}]
+    with harness_tool_server() as (tools_url, received), trained.sdk() as sdk:
+        results = [run_harness_item(sdk, trained.api_url, tools_url, item, text_format=None) for item in items]
+    for item, result in zip(items, results):
+        assert isinstance(result["answer"], str) and result["turns"] >= 2
+        assert result["usage"]["input_tokens"] > 0 and result["usage"]["output_tokens"] > 0
+        assert result["grade"].reward in (0.0, 1.0)
+    searched = [c for c in received.calls if c["path"] == "/search"]
+    assert {c["body"]["trace_id"] for c in searched} == {"trace_1", "trace_2"}
+    assert all(c["body"]["item"]["id"] in (1, 2) and c["headers"]["authorization"] == f"Bearer {HARNESS_TOKEN}"
+               for c in searched)
+    graded = [c["body"] for c in received.calls if c["path"] == "/grade"]
+    assert [g["item"]["id"] for g in graded] == [1, 2] and [g["sample"]["output_text"] for g in graded] == [
+        r["answer"] for r in results]
