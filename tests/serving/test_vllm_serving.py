@@ -193,3 +193,32 @@ def test_an_inference_server_whose_vllm_does_not_answer_does_not_start(tmp_path:
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert f"No vLLM server can sample {VLLM_MODEL}: {dead}" in done.stdout + done.stderr
+
+
+def test_responses_on_the_vllm_backend_are_its_chat_completions(on_vllm: Served, settings: Settings):
+    """The Responses API through an API whose inference server runs on vLLM: the greedy answer and a
+    forced call are those of chat completions of the same conversation."""
+    import openai
+
+    from tests.conftest import live_server, make_project
+
+    settings.inference_url, settings.inference_models = on_vllm.url, [VLLM_MODEL]
+    settings.worker_token = type(settings.worker_token)(TOKEN)
+    key = make_project(settings)["key"]
+    forced = {"type": "function", "function": {"name": "search"}}
+    tool = {"type": "function", "name": "search", "description": SEARCH["function"]["description"],
+            "parameters": SEARCH["function"]["parameters"]}
+    with live_server(settings) as base, openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as sdk:
+        chat = sdk.chat.completions.create(model=VLLM_MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+        response = sdk.responses.create(model=VLLM_MODEL, instructions=QUESTION[0]["content"],
+                                        input=QUESTION[1]["content"], max_output_tokens=16, temperature=0, store=False)
+        chat_call = sdk.chat.completions.create(model=VLLM_MODEL, messages=AGENT_QUESTION, tools=[SEARCH],
+                                                tool_choice=forced, max_tokens=60, temperature=0)
+        called = sdk.responses.create(model=VLLM_MODEL, instructions=AGENT_QUESTION[0]["content"],
+                                      input=AGENT_QUESTION[1]["content"], tools=[tool], max_output_tokens=60,
+                                      tool_choice={"type": "function", "name": "search"}, temperature=0, store=False)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    [expected] = chat_call.choices[0].message.tool_calls
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
