@@ -89,10 +89,6 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 def chat_request(body: ResponseCreate, items: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completion request for a Responses request over the conversation `items`."""
-    text_format = (body.text or {}).get("format") or {"type": "text"}
-    if text_format.get("type") != "text":
-        raise bad_request(f"text.format '{text_format.get('type')}' is not supported yet: only 'text'.",
-                          param="text.format", code="unsupported_parameter")
     choice = body.tool_choice
     request: dict[str, Any] = {
         "model": body.model, "messages": chat_messages(items, body.instructions), "tools": chat_tools(body.tools),
@@ -100,8 +96,22 @@ def chat_request(body: ResponseCreate, items: list[dict[str, Any]]) -> dict[str,
                         else choice),
         "parallel_tool_calls": body.parallel_tool_calls, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
+        "response_format": chat_response_format((body.text or {}).get("format")),
     }
     return {key: value for key, value in request.items() if value is not None}
+
+
+def chat_response_format(text_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses `text.format` as chat's `response_format` (a schema's fields sit one level up)."""
+    if not text_format or text_format.get("type") == "text":
+        return None
+    if text_format.get("type") == "json_schema":
+        spec = {key: text_format[key] for key in ("name", "schema", "strict", "description") if key in text_format}
+        return {"type": "json_schema", "json_schema": spec}
+    if text_format.get("type") == "json_object":
+        return {"type": "json_object"}
+    raise bad_request(f"text.format type '{text_format.get('type')}' is not one of text, json_object, json_schema.",
+                      param="text.format")
 
 
 def output_items(choice: dict[str, Any]) -> list[dict[str, Any]]:
@@ -138,7 +148,8 @@ def response_object(body: ResponseCreate, *, response_id: str, output: list[dict
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
         "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
-        "store": body.store is not False, "temperature": body.temperature, "text": {"format": {"type": "text"}},
+        "store": body.store is not False, "temperature": body.temperature,
+        "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "tool_choice": (body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
                         else body.tool_choice or "auto"),
         "tools": body.tools or [], "top_p": body.top_p, "truncation": "disabled", "metadata": body.metadata or {},

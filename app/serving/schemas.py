@@ -39,6 +39,24 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def check_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's `response_format`: `text`, `json_object`, or `json_schema` with a `name` and a
+    `schema` object (whether the schema compiles is the inference server's to say)."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind in ("text", "json_object"):
+        if set(value) != {"type"}:
+            raise ValueError(f"a '{kind}' response_format has only a type")
+        return value
+    if kind != "json_schema":
+        raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
+        raise ValueError("json_schema needs a 'name' and a 'schema' object")
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -125,9 +143,7 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError("only {'type': 'text'} is supported (no JSON mode or structured outputs)")
-        return value
+        return check_response_format(value)
 
     def unsupported_field(self) -> str | None:
         """The first field set to something this service does not implement."""

@@ -119,3 +119,31 @@ def test_decoding_rows_of_different_lengths_packs_query_heads_and_matches_plain_
         model.set_attn_implementation(ATTENTION)
     for got, want in zip(packed, plain):
         assert_same(got, want)
+
+
+def test_a_random_weight_model_under_a_schema_writes_json_that_fits_it():
+    """Structured outputs (workers/rl/constraints.py): whatever the weights, every sampled token keeps
+    the text inside the schema, and the row stops once the value is complete; an unconstrained row
+    of the same batch samples freely."""
+    import json
+
+    import jsonschema
+
+    from workers.rl.constraints import Constraint, json_grammar
+
+    loaded = load_model("tiny-smollm2", dtype="float32")
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "unit": {"enum": ["usd", "eur"]}},
+              "required": ["answer", "unit"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    grammar = json_grammar(response_format)
+    rows = [GenerationRequest(contexts(1)[0], max_new_tokens=40, seed=seed,
+                              constraint=Constraint(grammar, loaded.tokenizer, response_format=response_format))
+            for seed in range(3)]
+    free = GenerationRequest(contexts(1)[0], max_new_tokens=12, seed=0)
+    outputs = generate_batch(loaded.model.eval(), [*rows, free], pad_token_id=0, temperature=1.0)
+    for output in outputs[:3]:
+        text = loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        assert output.finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert len(outputs[3].token_ids) == 12  # random weights, no constraint: no stop, no JSON

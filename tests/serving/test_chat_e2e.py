@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -308,7 +309,9 @@ def test_bad_requests_answer_openai_errors(trained: Trained):
             (dict(messages=[]), "invalid_value", "messages"),
             (dict(logit_bias={"42": 5}), "unsupported_parameter", "logit_bias"),
             (dict(logprobs=True), "unsupported_parameter", "logprobs"),
-            (dict(response_format={"type": "json_object"}), "invalid_value", "response_format"),
+            (dict(response_format={"type": "xml"}), "invalid_value", "response_format"),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}),
+             "invalid_value", "response_format"),
             (dict(extra_body={"best_of": 2}), "unsupported_parameter", "best_of"),
             (dict(tools=[SEARCH], tool_choice={"type": "function", "function": {"name": "nope"}}), "invalid_value",
              "tool_choice"),
@@ -605,7 +608,7 @@ def test_bad_responses_requests_name_the_parameter(trained: Trained):
     with trained.sdk() as sdk:
         for kwargs, param in (({"input": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
                               ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
-                              ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+                              ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
                               ({"input": "hi", "truncation": "auto"}, "truncation")):
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.responses.create(model=SMOLLM2, **kwargs)
@@ -649,13 +652,23 @@ def run_harness_item(sdk: openai.OpenAI, base_url: str, tools_url: str, item: di
     raise AssertionError(f"no final message within {budget} turns")
 
 
-def test_openai_agent_rft_harness_loop_runs_unchanged(trained: Trained):
+# Bounded, so that any answer fits in the tokens the tests allow (a constrained value is valid once complete).
+ANSWER_SCHEMA = {"type": "object", "properties": {"company": {"type": "string", "maxLength": 24},
+                                                  "revenue_millions": {"type": "integer", "minimum": 0, "maximum": 99999}},
+                 "required": ["company", "revenue_millions"], "additionalProperties": False}
+STRICT_FORMAT = {"type": "json_schema", "name": "answer", "strict": True, "schema": ANSWER_SCHEMA}
+
+
+@pytest.mark.parametrize("text_format", [None, STRICT_FORMAT], ids=["text", "strict_json_schema"])
+def test_openai_agent_rft_harness_loop_runs_unchanged(trained: Trained, text_format: dict | None):
     items = [{"id": 1, "question": "What was ACME revenue in 2023?", "reference_answer": "412"},
              {"id": 2, "question": "What was Globex revenue in 2023?", "reference_answer": "97"}]
     with harness_tool_server() as (tools_url, received), trained.sdk() as sdk:
-        results = [run_harness_item(sdk, trained.api_url, tools_url, item, text_format=None) for item in items]
+        results = [run_harness_item(sdk, trained.api_url, tools_url, item, text_format=text_format) for item in items]
     for item, result in zip(items, results):
         assert isinstance(result["answer"], str) and result["turns"] >= 2
+        if text_format is not None:  # every final answer of SmolLM2 parses and fits the schema
+            jsonschema.validate(json.loads(result["answer"]), ANSWER_SCHEMA)
         assert result["usage"]["input_tokens"] > 0 and result["usage"]["output_tokens"] > 0
         assert result["grade"].reward in (0.0, 1.0)
     searched = [c for c in received.calls if c["path"] == "/search"]
@@ -665,3 +678,29 @@ def test_openai_agent_rft_harness_loop_runs_unchanged(trained: Trained):
     graded = [c["body"] for c in received.calls if c["path"] == "/grade"]
     assert [g["item"]["id"] for g in graded] == [1, 2] and [g["sample"]["output_text"] for g in graded] == [
         r["answer"] for r in results]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_or_json_object_format_constrains_the_answer(trained: Trained, stream: bool):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
+    with trained.sdk() as sdk:
+        for response_format in (schema_format, {"type": "json_object"}):
+            for model in (SMOLLM2, trained.model):
+                answer = ask(sdk, model, response_format=response_format, max_tokens=80, stream=stream, seed=5,
+                             temperature=0.7 if response_format is schema_format else 0)
+                chunks = list(answer) if stream else None
+                content = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices) if stream
+                           else answer.choices[0].message.content)
+                finish = ([c.choices[0].finish_reason for c in chunks if c.choices][-1] if stream
+                          else answer.choices[0].finish_reason)
+                if response_format is not schema_format and finish == "length":
+                    continue  # an open object has no bound: cut by the token cap, it is not complete
+                assert finish == "stop", (response_format, content)
+                value = json.loads(content)
+                if response_format is schema_format:
+                    jsonschema.validate(value, ANSWER_SCHEMA)
+                assert isinstance(value, dict)
+        response = sdk.responses.create(model=SMOLLM2, input=HELLO, text={"format": STRICT_FORMAT},
+                                        max_output_tokens=60, temperature=0, store=False)
+    jsonschema.validate(json.loads(response.output_text), ANSWER_SCHEMA)
+    assert response.text.format.type == "json_schema"

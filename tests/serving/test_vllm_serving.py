@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from app.core.config import Settings
@@ -217,8 +218,16 @@ def test_responses_on_the_vllm_backend_are_its_chat_completions(on_vllm: Served,
         called = sdk.responses.create(model=VLLM_MODEL, instructions=AGENT_QUESTION[0]["content"],
                                       input=AGENT_QUESTION[1]["content"], tools=[tool], max_output_tokens=60,
                                       tool_choice={"type": "function", "name": "search"}, temperature=0, store=False)
+        schema = {"type": "object", "properties": {"colours": {"type": "array", "maxItems": 3, "items": {
+            "type": "string", "maxLength": 12}}}, "required": ["colours"], "additionalProperties": False}
+        structured = sdk.responses.create(model=VLLM_MODEL, input=QUESTION[1]["content"], max_output_tokens=80,
+                                          temperature=0, store=False, text={"format": {
+                                              "type": "json_schema", "name": "colours", "strict": True, "schema": schema}})
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.output_tokens == chat.usage.completion_tokens
+    # vLLM enforces the format itself (its own structured outputs)
+    assert structured.status == "completed", structured.output_text
+    jsonschema.validate(json.loads(structured.output_text), schema)
     [expected] = chat_call.choices[0].message.tool_calls
     [call] = [item for item in called.output if item.type == "function_call"]
     assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.inference.pool import ServedModel
+from workers.rl.constraints import Constraint, UnsupportedFormat, json_grammar
 from workers.rl.generation import GenerationOutput, GenerationRequest
 from workers.rl.toolcalls import ParsedTurn, ToolSchema, as_tool_schemas
 
@@ -76,13 +77,31 @@ def plan(request: dict[str, Any], model_name: str, served: ServedModel, *, defau
     stop_strings = tuple(formatter.parser.stop_strings if parse_tools else ()) + tuple(user_stops)
     seed = request.get("seed")
     base_seed = int(seed) if seed is not None else random.getrandbits(31)
+    grammar = _format_grammar(request.get("response_format"), formatter.parser if parse_tools else None, forced)
     generations = [
         GenerationRequest(context_ids=context_ids, max_new_tokens=budget, seed=_choice_seed(base_seed, index),
-                          stop_token_ids=formatter.stop_token_ids(), stop_strings=stop_strings)
+                          stop_token_ids=formatter.stop_token_ids(), stop_strings=stop_strings,
+                          constraint=Constraint(grammar, formatter.tokenizer, response_format=request["response_format"])
+                          if grammar else None)
         for index in range(request.get("n") or 1)
     ]
     return ChatPlan(request=request, model_name=model_name, tools=tools, parse_tools=parse_tools, forced_prefix=forced,
                     prompt_ids=prompt_ids, generations=generations, user_stops=user_stops)
+
+
+def _format_grammar(response_format: dict[str, Any] | None, parser: Any, forced: str) -> str | None:
+    """The grammar a JSON `response_format` constrains the answer to: None for text, and for a turn
+    forced to be a call; with tools the model may call (`parser`), a call stays free."""
+    if not response_format or response_format.get("type") == "text" or forced:
+        return None
+    call_open = getattr(parser, "OPEN", None) if parser is not None else None
+    if parser is not None and call_open is None:
+        raise BadChatRequest("A JSON response_format with tools is not supported for this model's tool-call format.",
+                             code="unsupported_parameter", param="response_format")
+    try:
+        return json_grammar(response_format, call_open=call_open)
+    except UnsupportedFormat as exc:
+        raise BadChatRequest(f"Invalid response_format: {exc}.", param="response_format") from exc
 
 
 def _choice_seed(seed: int, index: int) -> int:

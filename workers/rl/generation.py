@@ -43,6 +43,9 @@ class GenerationRequest:
     prefix: KVPrefix | None = None  # the cache of context_ids[:prefix.length], if kept
     keep_cache: bool = False  # hand back the row's cache (GenerationOutput.cache) for its next turn
     affinity: str | None = None  # requests with the same key (a rollout's turns) go to the same server, if several
+    # Structured outputs: the tokens each step may take (workers/rl/constraints.Constraint); its
+    # sequence ends as a stop once the value is complete. One per request: it keeps the state.
+    constraint: Any = None
 
 
 @dataclass
@@ -75,6 +78,18 @@ def _sample_rows(
         tokens = (order.gather(-1, picks) if order is not None else picks).squeeze(-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens.tolist(), chosen.tolist()
+
+
+def _constrained(logits: torch.Tensor, constraints: list[Any]) -> torch.Tensor:
+    """The logits with every token a row's constraint forbids at -inf (rows without one as they are)."""
+    if not any(c is not None for c in constraints):
+        return logits
+    logits = logits.float().clone()
+    for row, constraint in enumerate(constraints):
+        if constraint is not None:
+            allowed = torch.from_numpy(constraint.allowed(logits.shape[-1]))
+            logits[row].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 STOP_STRING_WINDOW = 8  # tokens decoded to look for a stop string
@@ -200,7 +215,8 @@ class DecodeBatch:
     def _sample(self, logits: torch.Tensor, *, first: int) -> list[tuple[Any, GenerationOutput]]:
         """Sample for rows[first:], whose logits these are, then let finished rows leave."""
         rows = self.rows[first:]
-        tokens, logprobs = _sample_rows(logits.cpu(), self.temperature, self.top_p, [row.generator for row in rows])
+        logits = _constrained(logits.cpu(), [row.request.constraint for row in rows])
+        tokens, logprobs = _sample_rows(logits, self.temperature, self.top_p, [row.generator for row in rows])
         done: list[int] = []
         for position, (row, token, logprob) in enumerate(zip(rows, tokens, logprobs), start=first):
             out, request = row.output, row.request
@@ -209,7 +225,10 @@ class DecodeBatch:
             row.next_token = token
             if self.on_token is not None:
                 self.on_token(row.key, token)
-            if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, self.decode):
+            if request.constraint is not None:
+                request.constraint.advance(token)
+            if token in request.stop_token_ids or _ends_with_stop_string(out.token_ids, request.stop_strings, self.decode) \
+                    or (request.constraint is not None and request.constraint.finished):
                 out.finish = "stop"
                 done.append(position)
             elif len(out.token_ids) >= request.max_new_tokens:

@@ -268,6 +268,8 @@ class VLLMSampler:
         }
         if self.seeded:
             body["seed"] = request.seed
+        if request.constraint is not None:  # structured outputs: vLLM enforces the format itself
+            body["response_format"] = request.constraint.response_format
         return body
 
 

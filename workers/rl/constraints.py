@@ -1,0 +1,84 @@
+"""Structured outputs on the in-process engine: a JSON schema (or any JSON object) turned into a
+token mask for each decoding step, with llguidance (the grammar engine vLLM can use too: a Rust
+wheel without dependencies that compiles a schema in milliseconds and masks a step in
+microseconds, and answers an uncompilable schema with an error we can name).
+
+`Constraint` is per generated sequence: `allowed(vocab)` the tokens that keep the text inside the
+grammar, `advance(token)` after sampling, `finished` once the value is complete (the engine then
+ends the sequence as a stop)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+
+class UnsupportedFormat(ValueError):
+    """A response format this engine cannot enforce (a schema llguidance cannot compile, say)."""
+
+
+def json_grammar(response_format: dict[str, Any], *, call_open: str | None = None) -> str:
+    """The llguidance grammar of an OpenAI `response_format` (`json_schema` or `json_object`). With
+    `call_open` (the tool-call parser's opening tag), a turn may instead be a tool call, left free
+    after its tag: the format constrains the answer, never the calls."""
+    import llguidance
+
+    kind = response_format.get("type")
+    if kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    elif kind == "json_schema":
+        schema = dict((response_format.get("json_schema") or {}).get("schema") or {})
+    else:
+        raise UnsupportedFormat(f"response_format type '{kind}' is not a JSON format")
+    # Compact JSON: no whitespace between tokens, which a small model could pad forever.
+    schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+    lark = f"start: answer\nanswer: %json {json.dumps(schema)}\n"
+    if call_open is not None:
+        lark = (f"start: answer | call\nanswer: %json {json.dumps(schema)}\n"
+                f"call: {json.dumps(call_open)} /(.|\\n)*/\n")
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        first = (messages[0] if messages else "unknown error").splitlines()[0]
+        raise UnsupportedFormat(f"the schema cannot be compiled: {first.split(': ', 1)[-1]}")
+    return grammar
+
+
+@lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+class Constraint:
+    """`response_format` is what a vLLM server is sent instead (it enforces the format itself)."""
+
+    def __init__(self, grammar: str, tokenizer: Any, *, response_format: dict[str, Any]) -> None:
+        import llguidance
+
+        self.response_format = response_format
+        self.tokenizer = _ll_tokenizer(tokenizer)
+        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise UnsupportedFormat(self.matcher.get_error())
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """A boolean mask over the model's `vocab_size` logits (tokens past the tokenizer's: never)."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(words, bitorder="little").astype(bool)
+        mask = np.zeros(vocab_size, dtype=bool)
+        n = min(vocab_size, bits.shape[0])
+        mask[:n] = bits[:n]
+        return mask
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The value is complete (only the end of the turn may follow), or the matcher failed."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
