@@ -681,14 +681,15 @@ def test_openai_agent_rft_harness_loop_runs_unchanged(trained: Trained, text_for
 
 
 def test_a_json_schema_or_json_object_format_constrains_the_answer(trained: Trained):
-    """Sampled (not greedy) on the base model and streamed from the fine-tuned one: every complete
+    """Sampled (not greedy) on the base model and streamed from a fine-tuned checkpoint: every complete
     answer parses and fits; the Responses API's text.format does the same."""
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
     with trained.sdk() as sdk:
         sampled = ask(sdk, SMOLLM2, response_format=schema_format, max_tokens=80, seed=5, temperature=0.7)
         assert sampled.choices[0].finish_reason == "stop", sampled.choices[0].message.content
         jsonschema.validate(json.loads(sampled.choices[0].message.content), ANSWER_SCHEMA)
-        chunks = list(ask(sdk, trained.model, response_format=schema_format, max_tokens=80, stream=True))
+        # A checkpoint: the job's model name is deleted by an earlier test of this module.
+        chunks = list(ask(sdk, trained.checkpoints[3][1], response_format=schema_format, max_tokens=80, stream=True))
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
         jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)),
                             ANSWER_SCHEMA)
