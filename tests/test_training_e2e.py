@@ -127,14 +127,20 @@ def test_a_job_trains_end_to_end(training_settings, project, pg_url):
 
 
 def test_cancel_stops_the_worker(training_settings, project):
+    # A lease that outlasts a heartbeat delayed by a busy machine: with the file's 4 s leases, the
+    # watchdog could clear the cancelled job's lease first, and the worker then stops without reporting.
+    training_settings.lease_seconds = 15
     with live_server(training_settings) as base, tool_server(latency_s=0.3) as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
             celery_worker(training_settings, base) as (_, log):
         job_id = create_job(sdk, tool_url, n_rows=8, n_epochs=5)
         wait_for(lambda: status_of(sdk, job_id) == "running", timeout=120, interval=0.3)
         sdk.fine_tuning.jobs.cancel(job_id)
-        wait_for(lambda: "Worker stopped" in " ".join(e.message for e in sdk.fine_tuning.jobs.list_events(job_id)),
-                 timeout=90, interval=0.5)
+        try:
+            wait_for(lambda: "Worker stopped" in " ".join(e.message for e in sdk.fine_tuning.jobs.list_events(job_id)),
+                     timeout=90, interval=0.5)
+        except AssertionError:
+            raise AssertionError(f"no 'Worker stopped' event; the worker's log ends:\n{log.read_text()[-3000:]}") from None
         assert status_of(sdk, job_id) == "cancelled"
 
 
