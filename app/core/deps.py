@@ -65,31 +65,27 @@ def after_response(background: BackgroundTasks, request: Request, work: Callable
     """Run `work(*args, **kwargs)` (synchronous; it opens its own sessions) once the response is sent, so after
     the request's commit, in its own turn at the database: work a burst of requests leaves behind
     (file validations, hand-offs to the broker) never takes the connections the requests need."""
-    turns = request.app.state.database_turns
-
-    async def in_its_turn() -> None:
-        give_back = await turns.take(patient=True)
-        try:
-            await run_in_threadpool(work, *args, **kwargs)
-        finally:
-            give_back()
-
-    background.add_task(in_its_turn)
+    background.add_task(_in_its_turn, request, work, *args, **kwargs)
 
 
 async def in_own_transaction(request: Request, work: Callable[..., Any], **kwargs: Any) -> Any:
     """`work(session=..., **kwargs)` in a transaction of its own, in its own turn at the database
     (waited for as long as it takes): what a route runs after it gave its turn back, e.g. storing
     what the model answered."""
-    give_back = await request.app.state.database_turns.take(patient=True)
     factory = request.app.state.session_factory
 
     def run() -> Any:
         with factory.begin() as session:
             return work(session=session, **kwargs)
 
+    return await _in_its_turn(request, run)
+
+
+async def _in_its_turn(request: Request, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`work(*args, **kwargs)` on the thread pool once a turn at the database is free, however long that takes."""
+    give_back = await request.app.state.database_turns.take(patient=True)
     try:
-        return await run_in_threadpool(run)
+        return await run_in_threadpool(work, *args, **kwargs)
     finally:
         give_back()
 

@@ -105,6 +105,10 @@ class LeasedRun:
         expires = _aware(self.lease_expires_at)
         return self.lease_id is not None and expires is not None and expires > now
 
+    def held_elsewhere(self, worker_id: str, now: datetime) -> bool:
+        """Another worker than `worker_id` holds a live lease on it."""
+        return self.lease_holder not in (None, worker_id) and self.lease_is_live(now)
+
     def holds_lease(self, lease_id: str) -> bool:
         return same_secret(self.lease_id, lease_id)
 
@@ -173,7 +177,7 @@ def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: date
     not_claimable."""
     previous = row.lease_holder
     someone_else = previous is not None and previous != worker_id
-    if someone_else and row.lease_is_live(now) and row.status in (RUNNING, QUEUED):
+    if row.held_elsewhere(worker_id, now) and row.status in (RUNNING, QUEUED):
         raise conflict(f"{row.kind.capitalize()} '{row.id}' is held by worker {previous}, whose lease is live; "
                        "try later.", code="lease_held")
     if row.status == RUNNING:

@@ -91,8 +91,7 @@ def claim(*, session: Session, settings: Settings, storage: Storage, job_id: str
 def _end_without_a_worker(session: Session, job: Job, storage: Storage, worker_id: str) -> str | None:
     """End a claimable job that needs no worker, or that no worker could run, before any work;
     None for every other job (claim_run then decides, lease_held and not_claimable included)."""
-    holder_elsewhere = job.lease_holder not in (None, worker_id) and job.lease_is_live(utcnow())
-    if job.status not in (S.QUEUED.value, S.RUNNING.value) or holder_elsewhere:
+    if job.status not in (S.QUEUED.value, S.RUNNING.value) or job.held_elsewhere(worker_id, utcnow()):
         return None
     total = _final_step_saved(session, job)
     if total is not None:
