@@ -33,6 +33,7 @@ def _fail(message: str) -> None:
 # of them; the worker and inference extras do (app/core/extras.py).
 MODEL_PACKAGES = ("torch", "transformers", "peft")
 WORKER_PACKAGES = (*MODEL_PACKAGES, "sentence_transformers")
+TOKENIZER_PACKAGES = ("transformers", "tokenizers")  # the front of a vLLM fleet: tokenizers only, no torch
 
 
 def _require_extra(extra: str, command: str, modules: tuple[str, ...]) -> None:
@@ -281,12 +282,13 @@ def inference(
 ) -> None:
     """Run the inference server: chat completions for base models, fine-tuned models and checkpoints
     (the API forwards /v1/chat/completions to it; docs/serving.md)."""
-    _require_extra("inference", "inference", MODEL_PACKAGES)
+    settings = get_settings()
+    _require_extra("inference", "inference",
+                   TOKENIZER_PACKAGES if settings.inference_backend == "vllm" else MODEL_PACKAGES)
     import uvicorn
 
     from workers.inference.server import create_inference_app
 
-    settings = get_settings()
     uvicorn.run(create_inference_app(settings), host=host or settings.inference_host,
                 port=port or settings.inference_port)
 

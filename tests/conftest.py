@@ -317,14 +317,18 @@ def agent_rft_worker(settings: Settings, api_url: str, *, token: str, queues: st
 
 
 @contextmanager
-def agent_rft_inference(settings: Settings, *, token: str) -> Iterator[tuple[str, Any, Path]]:
+def agent_rft_inference(settings: Settings, *, token: str, without_torch: bool = False) -> Iterator[tuple[str, Any, Path]]:
     """A real `agent-rft inference` server with `settings`' models, pool and checkpoint directory;
-    yields (its URL, process, log path) once its base models are loaded."""
+    yields (its URL, process, log path) once its base models are loaded. `without_torch`: in a
+    process where `import torch` fails (tests/without_torch)."""
     port = free_port()
     env = {"AGENT_RFT_WORKER_TOKEN": token, "AGENT_RFT_INFERENCE_MODELS": ",".join(settings.inference_models),
            "AGENT_RFT_INFERENCE_POOL_SIZE": str(settings.inference_pool_size),
            "AGENT_RFT_CHECKPOINT_DIR": str(settings.resolved_checkpoint_dir), "AGENT_RFT_DATA_DIR": str(settings.data_dir),
            "AGENT_RFT_INFERENCE_BACKEND": settings.inference_backend, "AGENT_RFT_VLLM_URLS": ",".join(settings.vllm_urls)}
+    if without_torch:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent / "without_torch"),
+                                                          os.environ.get("PYTHONPATH")]))
     url = f"http://127.0.0.1:{port}"
     log = settings.data_dir / f"inference-{uuid.uuid4().hex[:6]}.log"
     with agent_rft_process(["inference", "--port", str(port)], env, log, lambda: http_ok(f"{url}/healthz")) as proc:
@@ -350,7 +354,7 @@ def vllm_process(log: Path) -> Iterator[tuple[str, Any]]:
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_directory(VLLM_MODEL)),
             "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
-            "--max-model-len", "4096"]
+            "--max-model-len", "4096", "--structured-outputs-config.backend", "guidance"]
     with log.open("w") as out:
         proc = subprocess.Popen([str(VLLM_PYTHON), *args], env={**os.environ, **env}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -131,6 +131,12 @@ BAD_BODIES = [
      "method.reinforcement.tools[0].parameters"),
     (lambda b: b["method"]["reinforcement"]["tools"][0].update(parameters={"type": "string"}),
      "method.reinforcement.tools[0].parameters"),
+    (lambda b: b["method"]["reinforcement"].update(response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                               "schema": {"type": "string", "pattern": "(unclosed"}}}),
+     "method.reinforcement.response_format"),
+    (lambda b: b["method"]["reinforcement"].update(response_format={"type": "json_schema", "json_schema": {}}),
+     "method.reinforcement.response_format"),
     (lambda b: b.update(training_file="file-doesnotexist"), "training_file"),
     (lambda b: b.update(validation_file="file-doesnotexist"), "validation_file"),
     (lambda b: b.pop("model"), "model"),
@@ -153,6 +159,17 @@ def test_bad_job_requests_get_400_naming_the_field(api, change, param):
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error" and error["message"]
     assert api.get("/v1/fine_tuning/jobs").json()["data"] == []  # nothing half-created
+
+
+def test_a_strict_json_schema_response_format_is_kept_on_the_job(api):
+    file_id = api.upload_ok(question_rows())
+    answer_format = {"type": "json_schema", "json_schema": {
+        "name": "answer", "strict": True,
+        "schema": {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+                   "required": ["answer"], "additionalProperties": False}}}
+    job = create(api, job_body(file_id, reinforcement={"response_format": answer_format})).json()
+    assert job["method"]["reinforcement"]["response_format"] == answer_format
+    assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["method"]["reinforcement"]["response_format"] == answer_format
 
 
 def test_dpo_is_refused_clearly(api):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -91,10 +92,22 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
     # Learning: the base model never calls the tool unprompted; after SFT on search traces, sampled
     # rollouts do.
     assert sum(r["tool_calls"] for r in rollouts) > 0, rollouts
+    answered = [r for r in rollouts if r["finish_reason"] == "answered"]
+    for rollout in answered:  # the job's response_format: every answer is JSON that fits, the graders' output_json
+        value = json.loads(rollout["data"]["final_answer"])
+        jsonschema.validate(value, ANSWER_SCHEMA)
+        assert rollout["data"]["output_json"] == value
+
+
+# The answer's format in the reinforcement job: strict, bounded so that an answer fits in a turn.
+ANSWER_SCHEMA = {"type": "object", "properties": {"company": {"type": "string", "maxLength": 16}},
+                 "required": ["company"], "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
 
 
 def reinforce_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001
-    """One reinforcement step from `model` on the same questions, with a search tool that answers."""
+    """One reinforcement step from `model` on the same questions, with a search tool that answers and
+    a JSON answer format (tool calls stay free; the answer is constrained on the in-process engine)."""
     rows = [{"messages": browsing_row(c, 2023)["messages"][:2], "tools": [SEARCH], "reference_answer": c}
             for c in COMPANIES[:2]]
     with tool_server() as (tool_url, _):
@@ -105,8 +118,9 @@ def reinforce_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN00
                 "tools": [{"name": "search", "server_url": tool_url}],
                 "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 1,
                                     "eval_samples": 1},
-                "max_episode_steps": 2, "x_open_model": {"max_tokens_per_turn": 40, "max_tokens_per_rollout": 80,
-                                                         "temperature": 0.7, "sampler": "engine"}}})
+                "max_episode_steps": 2, "response_format": ANSWER_FORMAT,
+                "x_open_model": {"max_tokens_per_turn": 40, "max_tokens_per_rollout": 80, "temperature": 0.7,
+                                 "sampler": "engine"}}})
         wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed"), timeout=600,
                  interval=1.0)
     done = sdk.fine_tuning.jobs.retrieve(job.id)

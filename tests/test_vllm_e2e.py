@@ -5,10 +5,12 @@ adapter on the server; and a job whose vLLM does not answer fails with a clear e
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -21,12 +23,24 @@ from tests.rl.tool_server import tool_server
 from tests.test_training_e2e import celery_worker, rows, training_settings  # noqa: F401 - the fixture
 
 
-def create_job(sdk: openai.OpenAI, tool_url: str, model: str, *, n_rows: int = 4, **options) -> str:  # noqa: ANN003
+# A JSON answer short enough for the job's 16 tokens a turn (a constrained value is valid once complete).
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}}, "required": ["answer"],
+                 "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
+# 1 when the grader was handed the answer as `output_json`, an object: what a structured job's graders read.
+SEES_JSON = {"type": "python", "name": "sees_json",
+             "source": "def grade(sample, item):\n    return 1.0 if isinstance(sample.get('output_json'), dict) else 0.0\n"}
+
+
+def create_job(sdk: openai.OpenAI, tool_url: str, model: str, *, n_rows: int = 4,  # noqa: ANN003
+               response_format: dict | None = None, **options) -> str:
     uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
+    grader = SEES_JSON if response_format else {
+        "type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
+        "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"}
     return sdk.fine_tuning.jobs.create(model=model, training_file=uploaded.id, seed=7, method={
         "type": "reinforcement", "reinforcement": {
-            "grader": {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
-                       "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"},
+            "grader": grader, **({"response_format": response_format} if response_format else {}),
             "tools": [{"name": "search", "server_url": tool_url}],
             "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 2,
                                 "eval_samples": 2},
@@ -41,9 +55,9 @@ def served(url: str) -> set[str]:
 
 
 def test_a_lora_job_is_trained_on_vllm_and_served_there(training_settings: Settings, project, vllm_server):  # noqa: ANN001, F811
-    """Rollouts sampled on vLLM, a new adapter loaded after each step; then the job's model and a
-    checkpoint answered through the API by an inference server on the vLLM backend, to this project
-    only."""
+    """Rollouts sampled on vLLM, a new adapter loaded after each step, every answer constrained to the
+    job's strict json_schema (vLLM's structured outputs); then the job's model and a checkpoint
+    answered through the API by an inference server on the vLLM backend, to this project only."""
     training_settings.vllm_urls = [vllm_server]
     serving = training_settings.model_copy(update={"inference_backend": "vllm", "inference_models": [VLLM_MODEL]})
     with agent_rft_inference(serving, token=training_settings.worker_token.get_secret_value()) as (inference, _, _):
@@ -51,16 +65,23 @@ def test_a_lora_job_is_trained_on_vllm_and_served_there(training_settings: Setti
         with live_server(training_settings) as base, tool_server() as (tool_url, _), \
                 openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
                 celery_worker(training_settings, base) as (_, log):
-            job_id = create_job(sdk, tool_url, VLLM_MODEL)  # sampler "auto": the worker has a vLLM server
+            # sampler "auto": the worker has a vLLM server
+            job_id = create_job(sdk, tool_url, VLLM_MODEL, response_format=ANSWER_FORMAT)
             wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job_id).status in ("succeeded", "failed"), timeout=600,
                      interval=1.0)
             job = sdk.fine_tuning.jobs.retrieve(job_id)
             assert job.status == "succeeded", (job.error, log.read_text()[-3000:])
             events = list(sdk.fine_tuning.jobs.list_events(job_id, limit=100))
+            rollouts = sdk.get(f"/fine_tuning/jobs/{job_id}/rollouts", cast_to=object, options={"params": {"limit": 100}})
             trained_on = served(vllm_server)
             final, streamed = serve_on_vllm(sdk, base, job, training_settings)
             adapters = httpx.get(f"{inference}/healthz", timeout=10).json()["adapters"]
     assert any(e.message.startswith(f"Rollouts are sampled on vLLM: {vllm_server}") for e in events)
+    answered = [r for r in rollouts["data"] if r["finish_reason"] == "answered"]
+    assert answered, [(r["finish_reason"], r["data"]["final_answer"]) for r in rollouts["data"]]
+    for rollout in answered:  # every answer fits, and the grader got it as output_json
+        assert jsonschema.validate(json.loads(rollout["data"]["final_answer"]), ANSWER_SCHEMA) is None
+        assert rollout["reward"] == 1.0 and rollout["data"]["output_json"] == json.loads(rollout["data"]["final_answer"])
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
     assert [m["train"]["policy_version"] for m in metrics] == [0, 1]  # step 1 on the base, step 2 on v1
     assert all(m["train"]["logprob_mismatch"] is not None and m["train"]["logprob_mismatch"] < 0.1 for m in metrics)

@@ -193,12 +193,9 @@ class Settings(BaseSettings):
     inference_pool_size: int = Field(
         4, ge=1, description="How many fine-tuned models (LoRA adapters or full checkpoints) the inference server keeps loaded; the least recently used is evicted, and loaded again on demand.",
     )
-    inference_max_batch_size: int = Field(16, ge=1, le=256, description="Most sequences the inference server generates in one batch.")
+    inference_max_batch_size: int = Field(16, ge=1, le=256, description="Most sequences the inference server decodes at once (a request joins the running batch at its next step while there is room).")
     inference_max_queue: int = Field(
-        32, ge=1, description="Most requests that wait for a batch on the inference server (those being generated are not counted); past it a request is answered 429 `rate_limit_exceeded` with `Retry-After` at once.",
-    )
-    inference_batch_window_s: float = Field(
-        0.01, ge=0, le=1, description="How long the inference server waits for more requests of the same model before it starts a batch.",
+        32, ge=1, description="Most requests that wait to join a batch on the inference server (those being generated are not counted); past it a request is answered 429 `rate_limit_exceeded` with `Retry-After` at once.",
     )
     inference_default_max_tokens: int = Field(
         512, ge=1, description="Tokens generated per choice when a request sets neither `max_tokens` nor `max_completion_tokens`.",

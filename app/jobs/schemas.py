@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator, model_validator
 
+from app.core.response_format import check_response_format
 from app.core.urls import check_http_url
 from app.diagnostics.options import JobDiagnosticOptions
 from app.graders.schemas import Grader
@@ -191,8 +192,15 @@ class TrainingOptions(BaseModel):
 
 class ReinforcementMethod(TrainingOptions):
     grader: Grader
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="The final answer's format (`json_schema` or `json_object`): every rollout's answer is "
+                          "constrained to it while its tool calls stay free, and graders get `sample.output_json`.")
     tools: list[ToolEndpoint] = Field(default_factory=list, max_length=64)
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_response_format(value)
 
 
 class SupervisedModelOptions(ModelOptions):

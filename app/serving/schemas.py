@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.core.response_format import check_response_format
 from app.jobs.validation import RowProblem, check_messages, check_tools
 
 MAX_CHOICES = 16
@@ -37,24 +38,6 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "prompt_cache_key": (None,),
     "safety_identifier": (None,),
 }
-
-
-def check_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's `response_format`: `text`, `json_object`, or `json_schema` with a `name` and a
-    `schema` object (whether the schema compiles is the inference server's to say)."""
-    if value is None:
-        return None
-    kind = value.get("type")
-    if kind in ("text", "json_object"):
-        if set(value) != {"type"}:
-            raise ValueError(f"a '{kind}' response_format has only a type")
-        return value
-    if kind != "json_schema":
-        raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
-        raise ValueError("json_schema needs a 'name' and a 'schema' object")
-    return value
 
 
 class StreamOptions(BaseModel):

@@ -1,13 +1,16 @@
-"""Serving benchmark: time to first token and tokens/s of `/v1/chat/completions` at 1, 4 and 16
-concurrent clients, against the training engine's own throughput on the same batch (the ratio is
-the figure), and the time to swap an evicted LoRA adapter back in.
+"""Serving benchmark: tokens/s and time to first token of `/v1/chat/completions` at 1, 8 and 32
+concurrent clients, the unified path (the engine's continuous batching through the sampler seam,
+what `agent-rft inference` runs) against the static loop it replaced (static_loop.py, frozen: the
+baseline, measured in the same run on the same requests); structured outputs against free decoding
+(seconds per 100 tokens); and the time to swap an evicted LoRA adapter back in.
 
-The inference server runs as its own process (`agent-rft inference`, as deployed) and is called at
-its internal endpoint with streaming, as the API forwards to it; the engine baseline is
-`generate_batch` on the same model, prompts and token counts, in this process, measured in the
-same run with the server idle. Both share the same cores, one after the other.
+Each server runs as its own process (benchmarks/serving/serve.py) and is called at its internal
+endpoint with streaming, as the API forwards to it. Each client sends two requests one after the
+other, of different lengths (16 to 96 new tokens, seeded, so both servers generate the same tokens):
+a static batch runs to its longest row and a request arriving meanwhile waits for the next one,
+while on the unified path a request joins the running batch at its next step.
 
-    .venv/bin/python -m benchmarks.serving.run [--repeats 3] [--tokens 48]
+    .venv/bin/python -m benchmarks.serving.run [--repeats 3]
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ import httpx
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "serving.json"
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "serving-benchmark-token"
-CONCURRENCY = (1, 4, 16)
-# ~300 prompt tokens: a system message and a question, as the demo's agent sees them.
+CONCURRENCY = (1, 8, 32)
+REQUESTS_PER_CLIENT = 2
+# ~200 prompt tokens: a system message and a question, as the demo's agent sees them.
 SYSTEM = ("You are a financial analyst. You answer questions about companies' annual reports with the figures "
           "they publish. ") * 8
+# Structured outputs: a string that cannot end before 100 tokens, so both sides decode as many.
+LONG_TEXT = {"type": "json_schema", "json_schema": {"name": "report", "strict": True, "schema": {
+    "type": "object", "properties": {"summary": {"type": "string", "minLength": 800}}, "required": ["summary"],
+    "additionalProperties": False}}}
 
 
 def prompt(i: int) -> list[dict[str, str]]:
@@ -48,12 +56,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(checkpoints: Path, pool_size: int) -> tuple[subprocess.Popen, str]:
+def start_server(backend: str, checkpoints: Path, pool_size: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "AGENT_RFT_WORKER_TOKEN": TOKEN, "AGENT_RFT_INFERENCE_MODELS": MODEL,
            "AGENT_RFT_INFERENCE_POOL_SIZE": str(pool_size), "AGENT_RFT_CHECKPOINT_DIR": str(checkpoints),
-           "AGENT_RFT_INFERENCE_MAX_BATCH_SIZE": "16"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "agent-rft"), "inference", "--port", str(port)],
+           "AGENT_RFT_INFERENCE_MAX_BATCH_SIZE": "32", "AGENT_RFT_INFERENCE_MAX_QUEUE": "64"}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.serve", "--backend", backend, "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -64,7 +72,12 @@ def start_server(checkpoints: Path, pool_size: int) -> tuple[subprocess.Popen, s
         except httpx.HTTPError:
             time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit("the inference server did not start")
+    raise SystemExit(f"the {backend} inference server did not start")
+
+
+def request_tokens(client: int, k: int) -> int:
+    """New tokens of a client's k-th request: 16 to 96, different for neighbours."""
+    return 16 + (37 * (client * REQUESTS_PER_CLIENT + k)) % 81
 
 
 def body(i: int, tokens: int, checkpoint: str | None = None, *, stream: bool = True) -> dict[str, Any]:
@@ -90,33 +103,41 @@ async def one_client(client: httpx.AsyncClient, url: str, payload: dict[str, Any
     return {"ttft_s": (first or time.perf_counter()) - started, "tokens": tokens, "total_s": time.perf_counter() - started}
 
 
-async def serving_round(url: str, clients: int, tokens: int) -> dict[str, float]:
+async def serving_round(url: str, clients: int) -> dict[str, float]:
+    """Every client sends its requests one after the other; all clients at once."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with httpx.AsyncClient(headers=headers, timeout=600) as client:
+
+    async def client_requests(client_index: int, http: httpx.AsyncClient) -> list[dict[str, float]]:
+        done = []
+        for k in range(REQUESTS_PER_CLIENT):
+            payload = body(client_index * REQUESTS_PER_CLIENT + k, request_tokens(client_index, k))
+            payload["request"]["stream_options"] = {"include_usage": True}
+            done.append(await one_client(http, url, payload))
+        return done
+
+    async with httpx.AsyncClient(headers=headers, timeout=600) as http:
         started = time.perf_counter()
-        payloads = [body(i, tokens) for i in range(clients)]
-        for p in payloads:
-            p["request"]["stream_options"] = {"include_usage": True}
-        results = await asyncio.gather(*(one_client(client, url, p) for p in payloads))
+        results = [r for rs in await asyncio.gather(*(client_requests(i, http) for i in range(clients))) for r in rs]
         wall = time.perf_counter() - started
-    return {"ttft_s": statistics.median(r["ttft_s"] for r in results), "tokens": sum(r["tokens"] for r in results),
-            "wall_s": wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall}
+    tokens = sum(r["tokens"] for r in results)
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in results), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall}
 
 
-def engine_round(loaded: Any, formatter: Any, clients: int, tokens: int) -> dict[str, float]:
-    """The training engine's generation of the same batch: same prompts, seeds and token counts."""
-    from workers.rl.generation import GenerationRequest, generate_batch
-    from workers.rl.models import sampling_weights
-
-    requests = [GenerationRequest(context_ids=formatter.prompt_ids(prompt(i)), max_new_tokens=tokens, seed=i,
-                                  stop_token_ids=formatter.stop_token_ids()) for i in range(clients)]
-    pad = loaded.tokenizer.pad_token_id
-    started = time.perf_counter()
-    with sampling_weights(loaded.model):  # as the rollout engine and the server sample (their preparation timed)
-        outputs = generate_batch(loaded.model, requests, pad_token_id=pad, temperature=1.0, decode=formatter.decode)
-    wall = time.perf_counter() - started
-    produced = sum(len(o.token_ids) for o in outputs)
-    return {"tokens": produced, "wall_s": wall, "tokens_per_s": produced / wall}
+async def format_round(url: str, clients: int, response_format: dict[str, Any] | None) -> dict[str, float]:
+    """`clients` requests of 100 new tokens at once, free or under `response_format`: seconds per 100 tokens."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    payloads = [body(i, 100) for i in range(clients)]
+    for p in payloads:
+        p["request"]["stream_options"] = {"include_usage": True}
+        if response_format is not None:
+            p["request"]["response_format"] = response_format
+    async with httpx.AsyncClient(headers=headers, timeout=600) as http:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_client(http, url, p) for p in payloads))
+        wall = time.perf_counter() - started
+    return {"tokens": sum(r["tokens"] for r in results), "wall_s": wall,
+            "s_per_100_tokens": statistics.median(r["total_s"] / r["tokens"] * 100 for r in results)}
 
 
 def make_adapters(root: Path, count: int) -> list[str]:
@@ -158,51 +179,91 @@ def swap_times(url: str, adapters: list[str], repeats: int) -> dict[str, float]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| clients | TTFT (median) | serving tok/s | engine tok/s (same batch) | serving / engine |",
-             "|---|---|---|---|---|"]
+    lines = ["| clients | static loop tok/s | unified tok/s | unified / static | TTFT static | TTFT unified |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['clients']} | {r['ttft_s'] * 1000:.0f} ms | {r['serving_tokens_per_s']:.1f} | "
-                     f"{r['engine_tokens_per_s']:.1f} | {r['ratio']:.2f} |")
+        lines.append(f"| {r['clients']} | {r['static_tokens_per_s']:.1f} | {r['unified_tokens_per_s']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['static_ttft_s'] * 1000:.0f} ms | {r['unified_ttft_s'] * 1000:.0f} ms |")
     return "\n".join(lines)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| concurrent requests | free: s per 100 tokens | json_schema: s per 100 tokens | constrained / free |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['clients']} | {r['free_s_per_100']:.2f} | {r['constrained_s_per_100']:.2f} | "
+                     f"{r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def median_of(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def compare_paths(urls: dict[str, str], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for clients in CONCURRENCY:
+        runs: dict[str, list[dict[str, float]]] = {"static": [], "unified": []}
+        for _ in range(repeats):  # alternated, so that both see the same noise
+            for name, url in urls.items():
+                runs[name].append(asyncio.run(serving_round(url, clients)))
+        row: dict[str, Any] = {"clients": clients}
+        for name in runs:
+            row[f"{name}_tokens_per_s"] = median_of(runs[name], "tokens_per_s")
+            row[f"{name}_ttft_s"] = median_of(runs[name], "ttft_s")
+            row[f"{name}_runs"] = runs[name]
+            row[f"{name}_tokens"] = runs[name][0]["tokens"]  # the same requests and seeds: about the same work
+        row["ratio"] = row["unified_tokens_per_s"] / row["static_tokens_per_s"]
+        rows.append(row)
+        print(f"{clients} clients: {json.dumps({k: v for k, v in row.items() if not k.endswith('runs')})}", flush=True)
+    return rows
+
+
+def compare_formats(url: str, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for clients in (1, 8):
+        free = [asyncio.run(format_round(url, clients, None)) for _ in range(repeats)]
+        constrained = [asyncio.run(format_round(url, clients, LONG_TEXT)) for _ in range(repeats)]
+        row = {"clients": clients, "free_s_per_100": median_of(free, "s_per_100_tokens"),
+               "constrained_s_per_100": median_of(constrained, "s_per_100_tokens"), "free_runs": free,
+               "constrained_runs": constrained}
+        row["ratio"] = row["constrained_s_per_100"] / row["free_s_per_100"]
+        rows.append(row)
+        print(f"{clients} x 100 tokens: {json.dumps({k: v for k, v in row.items() if not k.endswith('runs')})}",
+              flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
 
-    from workers.rl.models import load_model
+    from workers.rl.models import load_tokenizer
     from workers.rl.prompting import ChatFormatter
 
-    loaded = load_model(MODEL)
-    formatter = ChatFormatter(loaded.tokenizer)
-    prompt_tokens = len(formatter.prompt_ids(prompt(0)))
+    prompt_tokens = len(ChatFormatter(load_tokenizer(MODEL)).prompt_ids(prompt(0)))
+    procs = []
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
         adapters = make_adapters(Path(tmp), 2)
-        proc, url = start_server(Path(tmp), pool_size=1)
         try:
-            asyncio.run(serving_round(url, 1, 4))  # warm-up
-            rows = []
-            for clients in CONCURRENCY:
-                serving = [asyncio.run(serving_round(url, clients, args.tokens)) for _ in range(args.repeats)]
-                engine = [engine_round(loaded, formatter, clients, args.tokens) for _ in range(args.repeats)]
-                row = {"clients": clients,
-                       "ttft_s": statistics.median(s["ttft_s"] for s in serving),
-                       "serving_tokens_per_s": statistics.median(s["tokens_per_s"] for s in serving),
-                       "engine_tokens_per_s": statistics.median(e["tokens_per_s"] for e in engine),
-                       "serving_runs": serving, "engine_runs": engine}
-                row["ratio"] = row["serving_tokens_per_s"] / row["engine_tokens_per_s"]
-                rows.append(row)
-                print(f"{clients} clients: {json.dumps({k: v for k, v in row.items() if not k.endswith('runs')})}",
-                      flush=True)
-            swap = swap_times(url, adapters, args.repeats)
+            urls = {}
+            for name in ("static", "unified"):
+                proc, urls[name] = start_server(name, Path(tmp), pool_size=1)
+                procs.append(proc)
+                asyncio.run(format_round(urls[name], 1, None))  # warm-up
+            rows = compare_paths(urls, args.repeats)
+            formats = compare_formats(urls["unified"], args.repeats)
+            swap = swap_times(urls["unified"], adapters, args.repeats)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = {"model": MODEL, "prompt_tokens": prompt_tokens, "new_tokens": args.tokens, "repeats": args.repeats,
-           "torch_threads": __import__("torch").get_num_threads(), "rows": rows, "adapter_swap": swap}
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out = {"model": MODEL, "prompt_tokens": prompt_tokens, "requests_per_client": REQUESTS_PER_CLIENT,
+           "new_tokens": [request_tokens(0, 0), "to", 96], "repeats": args.repeats, "rows": rows,
+           "structured_outputs": formats, "adapter_swap": swap}
     print(table(rows))
+    print(format_table(formats))
     print(f"adapter swap: warm request {swap['warm_request_s'] * 1000:.0f} ms, with a swap "
           f"{swap['swap_request_s'] * 1000:.0f} ms: {swap['swap_overhead_s'] * 1000:.0f} ms to load an evicted adapter")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

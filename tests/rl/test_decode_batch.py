@@ -52,6 +52,20 @@ def test_a_shared_prompt_is_prefilled_once_and_every_row_samples_its_own_tokens(
         assert len({tuple(outputs[k].token_ids[:4]) for k in range(4)}) > 1
 
 
+def test_rows_with_their_own_sampling_settings_sample_as_they_would_alone(model):
+    """Served requests bring their own temperature and top-p into one running batch: a greedy row
+    takes the argmax, a sampled row draws as it would in a batch of its own settings."""
+    settings = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.9), (1.0, 1.0)]
+    requests = [GenerationRequest(c, max_new_tokens=6, seed=3 + i, temperature=t, top_p=p)
+                for i, (c, (t, p)) in enumerate(zip(contexts(4), settings))]
+    outputs = dict(zip(range(4), generate_batch(model, requests, pad_token_id=0, temperature=1.0)))
+    for row, (request, (temperature, top_p)) in enumerate(zip(requests, settings)):
+        plain = GenerationRequest(request.context_ids, request.max_new_tokens, request.seed)
+        want = generate_batch(model, [plain], pad_token_id=0, temperature=temperature, top_p=top_p)[0]
+        assert_same(outputs[row], want)
+    assert outputs[1].token_ids != outputs[3].token_ids  # own seeds, one setting: still their own samples
+
+
 def test_a_kept_cache_gives_the_next_turn_what_a_full_prefill_gives(model):
     first = [GenerationRequest(c, max_new_tokens=5 + i, seed=i, keep_cache=True) for i, c in enumerate(contexts(3))]
     turn1 = generate_batch(model, first, pad_token_id=0, temperature=1.0)
@@ -138,7 +152,7 @@ def test_a_random_weight_model_under_a_schema_writes_json_that_fits_it():
     response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     grammar = json_grammar(response_format)
     rows = [GenerationRequest(contexts(1)[0], max_new_tokens=40, seed=seed,
-                              constraint=Constraint(grammar, loaded.tokenizer, response_format=response_format))
+                              constraint=Constraint(grammar, loaded.tokenizer))
             for seed in range(3)]
     free = GenerationRequest(contexts(1)[0], max_new_tokens=12, seed=0)
     outputs = generate_batch(loaded.model.eval(), [*rows, free], pad_token_id=0, temperature=1.0)

@@ -1,13 +1,16 @@
 """The vLLM backend (workers/rl/vllm_sampler.py) against a real vLLM server on 127.0.0.1 serving
 SmolLM2-135M-Instruct: rollouts sampled token-in/token-out, LoRA policies published per version,
-a dead server failed over, none answering refused."""
+a dead server failed over, none answering refused; a job's JSON answer format enforced on vLLM as on
+the engine; a fleet with a shorter window than the model's config truncating rollouts cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.conftest import VLLM_MODEL, free_port
@@ -27,12 +30,19 @@ def smollm2():  # noqa: ANN201
     return load_model(VLLM_MODEL)
 
 
-def rollouts(loaded, sampler: VLLMSampler, tool_url: str, n: int, config: EngineConfig) -> list:  # noqa: ANN001
+def rollouts(loaded, sampler: VLLMSampler | None, tool_url: str, n: int, config: EngineConfig, *,  # noqa: ANN001
+             model=None, questions: list | None = None, tools: bool = True) -> list:  # noqa: ANN001
+    """n rollouts of QUESTION (or one of each of `questions`) on `sampler` (None: the in-process
+    engine on `model`), with the search tool unless `tools` is false."""
+    schemas = [SEARCH] if tools else []
+    specs = ([RolloutSpec(i, QUESTION, schemas, {}, seed=i) for i in range(n)] if questions is None
+             else [RolloutSpec(i, question, schemas, {}, seed=i) for i, question in enumerate(questions)])
+
     async def go():  # noqa: ANN202
         async with ToolClient([{"name": "search", "server_url": tool_url}], allowlist=["127.0.0.1"]) as client:
-            engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client, config,
-                                   sampler=sampler)
-            return await engine.run([RolloutSpec(i, QUESTION, [SEARCH], {}, seed=i) for i in range(n)]), engine
+            engine = RolloutEngine(model if model is not None else loaded.model, loaded.tokenizer,
+                                   ChatFormatter(loaded.tokenizer), client, config, sampler=sampler)
+            return await engine.run(specs), engine
 
     return asyncio.run(go())
 
@@ -120,6 +130,77 @@ def test_a_dead_server_is_failed_over_and_none_answering_is_a_clear_error(vllm_s
     wrong = VLLMSampler([vllm_server], model="another-model", config=config)
     with pytest.raises(VLLMUnavailable, match="not 'another-model'"):
         asyncio.run(wrong.check())
+
+
+# Bounded, so that an answer fits in the turn's tokens (a constrained value is valid once complete).
+ANSWER_SCHEMA = {"type": "object", "properties": {"company": {"type": "string", "maxLength": 16},
+                                                  "revenue_millions": {"type": "integer", "minimum": 0, "maximum": 9999}},
+                 "required": ["company", "revenue_millions"], "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["engine", "vllm"])
+def test_a_json_answer_format_constrains_every_final_answer_while_tool_calls_stay_free(
+        backend, request, smollm2, tool_calling_adapter):  # noqa: ANN001
+    """A job's strict json_schema `response_format` in its rollouts, on the in-process engine and on
+    vLLM (one grammar): every answer is JSON that fits, which graders get as `output_json`; and where
+    a turn may call a tool, the call stays free: a policy trained to search still calls at every
+    turn. (The base model is asked without tools: with them listed it opens a call at once.)"""
+    config = EngineConfig(max_tokens_per_turn=48, max_tokens_per_rollout=120, max_episode_steps=1, temperature=0.7,
+                          response_format=ANSWER_FORMAT)
+    sampler = searcher = None
+    if backend == "vllm":
+        sampler = VLLMSampler([request.getfixturevalue("vllm_server")], model=VLLM_MODEL, config=config,
+                              adapter_prefix="json-answers")
+        asyncio.run(sampler.check())
+    else:
+        searcher = merged_policy(tool_calling_adapter)
+    try:
+        with tool_server() as (url, recorder):
+            answers, _ = rollouts(smollm2, sampler, url, 4, config, tools=False)  # the base model
+            if sampler is not None:
+                asyncio.run(sampler.publish_policy(1, tool_calling_adapter))
+            searches, _ = rollouts(smollm2, sampler, url, 2, config, model=searcher)
+    finally:
+        if sampler is not None:
+            asyncio.run(sampler.release())
+    answered = [r for r in answers if r.finish_reason == "answered"]
+    assert len(answered) >= 3, [(r.finish_reason, r.messages[-1]) for r in answers]
+    for record in answered:
+        value = json.loads(record.final_answer)
+        jsonschema.validate(value, ANSWER_SCHEMA)
+        assert record.grader_sample()["output_json"] == value
+        assert record.final_answer == json.dumps(value, separators=(",", ":"), ensure_ascii=False)  # compact
+    assert all(r.tool_calls for r in searches), [r.messages[-1] for r in searches]  # calls are never constrained
+    assert len(recorder.calls) >= len(searches)
+
+
+def test_a_fleet_with_a_shorter_window_than_the_model_truncates_rollouts_instead_of_failing(vllm_server, smollm2):
+    """The suite's vLLM serves SmolLM2 (8192 positions) with --max-model-len 4096: the rollout engine
+    takes the fleet's window, so a turn that would pass it is cut to fit, and a prompt longer than it
+    ends its rollout as truncated; no request is refused and nothing fails."""
+    config = EngineConfig(max_tokens_per_turn=64, max_tokens_per_rollout=64, max_episode_steps=1, temperature=0.7)
+    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config)
+    asyncio.run(sampler.check())
+    assert sampler.max_context == 4096 < smollm2.model.config.max_position_embeddings
+    formatter = ChatFormatter(smollm2.tokenizer)
+
+    def question(tokens: int) -> list[dict[str, str]]:
+        filler = " ".join(["revenue"] * tokens)
+        messages = [QUESTION[0], {"role": "user", "content": filler}]
+        over = len(formatter.prompt_ids(messages, [SEARCH])) - tokens  # what the template and tools add
+        return [QUESTION[0], {"role": "user", "content": " ".join(["revenue"] * (tokens - over))}]
+
+    near, beyond = question(4096 - 20), question(4096 + 50)
+    with tool_server() as (url, _):
+        records, engine = rollouts(smollm2, sampler, url, 2, config, questions=[near, beyond])
+    assert engine.max_context == 4096
+    cut, refused = records
+    assert cut.prompt_tokens == 4096 - 20 and 0 < cut.completion_tokens <= 20
+    assert cut.finish_reason == "truncated" or cut.completion_tokens < 20
+    assert refused.finish_reason == "truncated" and refused.completion_tokens == 0
+    assert not sampler.failovers
 
 
 def test_a_server_reporting_raw_logprobs_is_refused():

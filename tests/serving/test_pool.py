@@ -62,8 +62,8 @@ def test_a_served_model_is_prepared_once_and_samples_what_the_engine_samples(ada
     served = pool.get(TINY, str(adapters[0]))
     outputs = []
     for _ in range(2):
-        with pool.generating(served) as module:
-            outputs.append(generated(module))
+        module = pool.prepared(served)
+        outputs.append(generated(module))
     assert pool.stats.preparations == 1
     assert outputs[0] == outputs[1] == engine_output(adapters[0])
     assert outputs[0] != engine_output(None)  # the adapter is applied
@@ -73,15 +73,15 @@ def test_switching_loading_and_evicting_put_the_loaded_weights_back(adapters):
     pool = ModelPool(bases=[TINY], capacity=1, dtype="bfloat16")
     pool.get(TINY, None)
     loaded = base_state(pool)
-    # As the scheduler does, each batch asks the pool for its model.
-    with pool.generating(pool.get(TINY, str(adapters[0]))) as module:
-        assert generated(module) == engine_output(adapters[0])
-    with pool.generating(pool.get(TINY, None)) as module:  # the adapter unmerged, adapters off
-        assert generated(module) == engine_output(None)
-    with pool.generating(pool.get(TINY, str(adapters[0]))) as module:
-        merged = generated(module)
-    with pool.generating(pool.get(TINY, str(adapters[1]))) as module:  # evicts the first while it is prepared
-        assert generated(module) == engine_output(adapters[1]) != merged
+    # As the engine backend does, each run of a model asks the pool for it.
+    module = pool.prepared(pool.get(TINY, str(adapters[0])))
+    assert generated(module) == engine_output(adapters[0])
+    module = pool.prepared(pool.get(TINY, None))  # the adapter unmerged, adapters off
+    assert generated(module) == engine_output(None)
+    module = pool.prepared(pool.get(TINY, str(adapters[0])))
+    merged = generated(module)
+    module = pool.prepared(pool.get(TINY, str(adapters[1])))  # evicts the first while it is prepared
+    assert generated(module) == engine_output(adapters[1]) != merged
     assert pool.stats.preparations == 4 and pool.stats.evictions == 1
     pool.unprepare()
     after = base_state(pool)

@@ -18,7 +18,7 @@ import pytest
 
 from app.core.config import Settings
 from tests.conftest import live_server, serve_app, wait_for
-from workers.inference.scheduler import Scheduler
+from workers.inference.engine_backend import EngineBackend
 from workers.inference.server import create_inference_app
 
 TINY = "tiny-smollm2"
@@ -27,8 +27,8 @@ CHAT = {"model": TINY, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture
-def served(settings: Settings) -> Iterator[tuple[Settings, Scheduler]]:
-    """The settings with a real inference server (queue bound 1) at `inference_url`, and its scheduler."""
+def served(settings: Settings) -> Iterator[tuple[Settings, EngineBackend]]:
+    """The settings with a real inference server (queue bound 1) at `inference_url`, and its backend."""
     settings = settings.model_copy(update={"inference_models": [TINY], "inference_max_queue": 1})
     app = create_inference_app(settings)
     with serve_app(app) as port:
@@ -36,10 +36,10 @@ def served(settings: Settings) -> Iterator[tuple[Settings, Scheduler]]:
 
 
 @contextmanager
-def generation_held(scheduler: Scheduler) -> Iterator[None]:
+def generation_held(backend: EngineBackend) -> Iterator[None]:
     """The generation thread (a single worker) runs a wait until the block ends: batches queue behind it."""
     release = threading.Event()
-    scheduler.executor.submit(release.wait)
+    backend.executor.submit(release.wait)
     try:
         yield
     finally:
@@ -77,7 +77,7 @@ def assert_completed(admitted: list[Future]) -> None:
 
 
 def test_a_full_queue_is_a_429_from_the_inference_server(served):
-    settings, scheduler = served
+    settings, backend = served
     url = f"{settings.inference_url}/internal/v1/chat/completions"
     headers = {"Authorization": f"Bearer {settings.worker_token.get_secret_value()}"}
     model = {"name": TINY, "base": TINY, "checkpoint_path": None}
@@ -86,7 +86,7 @@ def test_a_full_queue_is_a_429_from_the_inference_server(served):
         return httpx.post(url, json={"request": {**CHAT, **fields}, "model": model}, headers=headers, timeout=120)
 
     with ThreadPoolExecutor(2) as threads:
-        with generation_held(scheduler):
+        with generation_held(backend):
             admitted = fill_queue(threads, settings.inference_url, send)
             assert_queue_full(send())
             assert_queue_full(send(stream=True))
@@ -96,7 +96,7 @@ def test_a_full_queue_is_a_429_from_the_inference_server(served):
 
 
 def test_the_api_passes_the_429_and_its_retry_after_through(served, project):
-    settings, scheduler = served
+    settings, backend = served
     with live_server(settings) as api_url:
         headers = {"Authorization": f"Bearer {project['key']}"}
 
@@ -105,7 +105,7 @@ def test_the_api_passes_the_429_and_its_retry_after_through(served, project):
 
         sdk = openai.OpenAI(base_url=f"{api_url}/v1", api_key=project["key"], max_retries=0, timeout=30)
         with ThreadPoolExecutor(2) as threads:
-            with generation_held(scheduler):
+            with generation_held(backend):
                 admitted = fill_queue(threads, settings.inference_url, send)
                 assert_queue_full(send())
                 assert_queue_full(send(stream=True))

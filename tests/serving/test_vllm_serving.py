@@ -1,6 +1,7 @@
 """The inference server on its vLLM backend (AGENT_RFT_INFERENCE_BACKEND=vllm): a real
 `agent-rft inference` subprocess in front of a real vLLM server serving SmolLM2-135M-Instruct, a
-checkpoint's LoRA adapter loaded on demand. Train/serve parity is checked as for the engine
+checkpoint's LoRA adapter loaded on demand; the server runs in a process where torch cannot be
+imported (it holds tokenizers only). Train/serve parity is checked as for the engine
 backend: the endpoint answers what a rollout sampled on the same vLLM answers."""
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def on_vllm(vllm_server: str, smollm2, tmp_path_factory: pytest.TempPathFactory)
     settings = Settings(_env_file=None, data_dir=root / "data", checkpoint_dir=checkpoints, inference_backend="vllm",
                         vllm_urls=[vllm_server], inference_models=[VLLM_MODEL])
     settings.data_dir.mkdir(parents=True)
-    with agent_rft_inference(settings, token=TOKEN) as (url, _, _):
+    # The front of a vLLM fleet holds tokenizers only: it runs where torch cannot be imported.
+    with agent_rft_inference(settings, token=TOKEN, without_torch=True) as (url, _, _):
         yield Served(url, vllm_server, checkpoint, full, wide)
 
 

@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.inference.pool import ServedModel
+from workers.inference.served import ServedModel
 from workers.rl.constraints import Constraint, UnsupportedFormat, json_grammar
-from workers.rl.generation import GenerationOutput, GenerationRequest
+from workers.rl.sampler import GenerationOutput, GenerationRequest
 from workers.rl.toolcalls import ParsedTurn, ToolSchema, as_tool_schemas
 
 
@@ -47,16 +47,6 @@ class ChatPlan:
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
-    @property
-    def temperature(self) -> float:
-        value = self.request.get("temperature")
-        return 1.0 if value is None else float(value)
-
-    @property
-    def top_p(self) -> float:
-        value = self.request.get("top_p")
-        return 1.0 if value is None else float(value)
-
 
 def plan(request: dict[str, Any], model_name: str, served: ServedModel, *, default_max_tokens: int) -> ChatPlan:
     """Render the prompt and the generation requests; BadChatRequest for what the model cannot do."""
@@ -78,11 +68,13 @@ def plan(request: dict[str, Any], model_name: str, served: ServedModel, *, defau
     seed = request.get("seed")
     base_seed = int(seed) if seed is not None else random.getrandbits(31)
     grammar = _format_grammar(request.get("response_format"), formatter.parser if parse_tools else None, forced)
+    temperature, top_p = request.get("temperature"), request.get("top_p")
     generations = [
         GenerationRequest(context_ids=context_ids, max_new_tokens=budget, seed=_choice_seed(base_seed, index),
+                          temperature=1.0 if temperature is None else float(temperature),
+                          top_p=1.0 if top_p is None else float(top_p),
                           stop_token_ids=formatter.stop_token_ids(), stop_strings=stop_strings,
-                          constraint=Constraint(grammar, formatter.tokenizer, response_format=request["response_format"])
-                          if grammar else None)
+                          constraint=Constraint(grammar, formatter.tokenizer) if grammar else None)
         for index in range(request.get("n") or 1)
     ]
     return ChatPlan(request=request, model_name=model_name, tools=tools, parse_tools=parse_tools, forced_prefix=forced,

@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from workers.inference.scheduler import Pending
+from workers.inference.backend import Pending
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

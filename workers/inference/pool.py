@@ -9,7 +9,7 @@ is evicted (`delete_adapter`, or the full model dropped) and loaded again on its
 Requests are generated on the weights the rollout engine samples on (models.sampling_weights: the
 active adapter merged, weights packed for oneDNN, the lean decode step), so a served model
 computes what the trained policy sampled. Preparing them takes 0.1-0.3 s for SmolLM2-135M (about
-ten decode steps), so the last model generated with stays prepared (`generating`) until another
+ten decode steps), so the last model generated with stays prepared (`prepared`) until another
 one is asked for or the pool loads or evicts a model. Not thread-safe: the inference server calls
 it from its one generation thread.
 """
@@ -25,29 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.inference.served import (  # noqa: F401 - the pool's callers import them from here too
+    ModelUnavailable, ServedModel, checked_checkpoint_directory, checkpoint_kind,
+)
 from workers.rl.models import LoadedModel, ModelError, load_model, release_freed_memory, sampling_weights
 from workers.rl.prompting import ChatFormatter
 
 log = logging.getLogger(__name__)
 
 
-class ModelUnavailable(Exception):
-    """A request names a model that cannot be served; `status` and `code` go to the client."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
 @dataclass
-class ServedModel:
-    """One servable model: the module to call (with `activate()`), its tokenizer and formatter."""
+class PooledModel(ServedModel):
+    """A served model of the pool: the module to call (with `activate()`)."""
 
-    key: str
-    tokenizer: Any
-    formatter: ChatFormatter
-    max_context: int
-    _module: Any
+    _module: Any = None
     _adapter: str | None = None  # the PEFT adapter name; None: the base with adapters switched off
     _peft: Any = None
 
@@ -74,7 +65,7 @@ class _Base:
 @dataclass
 class PoolStats:
     loads: int = 0
-    preparations: int = 0  # models put on their sampling weights (`generating`)
+    preparations: int = 0  # models put on their sampling weights (`prepared`)
     evictions: int = 0
     load_seconds: list[float] = field(default_factory=list)
 
@@ -87,10 +78,10 @@ class ModelPool:
         self.dtype = dtype
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
         self._bases: dict[str, _Base] = {}
-        self._finetuned: OrderedDict[str, ServedModel] = OrderedDict()  # LRU: oldest first
+        self._finetuned: OrderedDict[str, PooledModel] = OrderedDict()  # LRU: oldest first
         self._adapter_names = 0
         self.stats = PoolStats()
-        # The model generated with last, still activated on its sampling weights (`generating`):
+        # The model generated with last, still activated on its sampling weights (`prepared`):
         # (its module and adapter, the module to call, the contexts to close).
         self._prepared: tuple[tuple[int, str | None], Any, contextlib.ExitStack] | None = None
 
@@ -100,7 +91,7 @@ class ModelPool:
         """The fine-tuned models in the pool, least recently used first."""
         return list(self._finetuned)
 
-    def get(self, base: str, checkpoint_path: str | None) -> ServedModel:
+    def get(self, base: str, checkpoint_path: str | None) -> PooledModel:
         """The model for a request: the base itself, or a checkpoint of it (loaded if needed)."""
         base_entry = self._base(base)
         if checkpoint_path is None:
@@ -120,10 +111,10 @@ class ModelPool:
             self._evict(*self._finetuned.popitem(last=False))
         return served
 
-    @contextlib.contextmanager
-    def generating(self, served: ServedModel) -> Iterator[Any]:
+    def prepared(self, served: PooledModel) -> Any:
         """The module to generate `served` with: activated (its adapter set, or adapters off for a
-        base) on its sampling weights, kept so for the next batch of the same model."""
+        base) on its sampling weights, and kept so until another model is prepared or the pool
+        loads or evicts one."""
         key = (id(served._module), served._adapter)
         if self._prepared is None or self._prepared[0] != key:
             self.unprepare()
@@ -133,7 +124,7 @@ class ModelPool:
                 self._prepared = (key, module, stack.pop_all())
             self.stats.preparations += 1
             log.debug("prepared %s for generation: %s", served.key, counts)
-        yield self._prepared[1]
+        return self._prepared[1]
 
     def unprepare(self) -> None:
         """Put the prepared model's weights and adapters back as they were loaded."""
@@ -159,8 +150,8 @@ class ModelPool:
             entry = self._bases[canonical] = _Base(loaded, ChatFormatter(loaded.tokenizer))
         return entry
 
-    def _base_served(self, name: str, entry: _Base) -> ServedModel:
-        return ServedModel(key=name, tokenizer=entry.loaded.tokenizer, formatter=entry.formatter,
+    def _base_served(self, name: str, entry: _Base) -> PooledModel:
+        return PooledModel(key=name, tokenizer=entry.loaded.tokenizer, formatter=entry.formatter,
                            max_context=_max_context(entry.loaded.model), _module=entry.loaded.model, _peft=entry.peft)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -168,13 +159,13 @@ class ModelPool:
     def _checked_directory(self, checkpoint_path: str) -> Path:
         return checked_checkpoint_directory(checkpoint_path, self.checkpoint_root)
 
-    def _load_checkpoint(self, key: str, directory: Path, base: _Base) -> ServedModel:
+    def _load_checkpoint(self, key: str, directory: Path, base: _Base) -> PooledModel:
         self.unprepare()  # loading wraps or adds to a base's layers: on the weights as they were loaded
         if checkpoint_kind(directory) == "lora":
             return self._load_adapter(key, directory, base)
         return self._load_full(key, directory)
 
-    def _load_adapter(self, key: str, directory: Path, base: _Base) -> ServedModel:
+    def _load_adapter(self, key: str, directory: Path, base: _Base) -> PooledModel:
         from peft import PeftModel
 
         self._adapter_names += 1
@@ -187,49 +178,24 @@ class ModelPool:
                 base.peft.load_adapter(str(directory), adapter_name=name)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
             raise ModelUnavailable(404, "checkpoint_files_missing", f"The checkpoint's LoRA adapter cannot be loaded: {exc}") from exc
-        return ServedModel(key=key, tokenizer=base.loaded.tokenizer, formatter=base.formatter,
+        return PooledModel(key=key, tokenizer=base.loaded.tokenizer, formatter=base.formatter,
                            max_context=_max_context(base.loaded.model), _module=base.peft, _adapter=name, _peft=base.peft)
 
-    def _load_full(self, key: str, directory: Path) -> ServedModel:
+    def _load_full(self, key: str, directory: Path) -> PooledModel:
         try:
             loaded = load_model(str(directory), dtype=self.dtype)
         except ModelError as exc:
             raise ModelUnavailable(404, "checkpoint_files_missing", f"The checkpoint cannot be loaded: {exc}") from exc
-        return ServedModel(key=key, tokenizer=loaded.tokenizer, formatter=ChatFormatter(loaded.tokenizer),
+        return PooledModel(key=key, tokenizer=loaded.tokenizer, formatter=ChatFormatter(loaded.tokenizer),
                            max_context=_max_context(loaded.model), _module=loaded.model)
 
-    def _evict(self, key: str, served: ServedModel) -> None:
+    def _evict(self, key: str, served: PooledModel) -> None:
         self.unprepare()
         if served._adapter is not None:
             served._peft.delete_adapter(served._adapter)
         self.stats.evictions += 1
         log.info("evicted %s from the model pool", key)
         release_freed_memory()
-
-
-def checked_checkpoint_directory(checkpoint_path: str, root: Path | None) -> Path:
-    """The checkpoint's directory, resolved; 404 checkpoint_files_missing when it is outside `root`
-    (the server's checkpoint directory) or gone."""
-    directory = Path(checkpoint_path).resolve()
-    if root is not None and root not in directory.parents:
-        raise ModelUnavailable(404, "checkpoint_files_missing",
-                               "The checkpoint's files are not under this inference server's checkpoint "
-                               "directory (AGENT_RFT_CHECKPOINT_DIR).")
-    if not directory.is_dir():
-        raise ModelUnavailable(404, "checkpoint_files_missing",
-                               "The checkpoint's files are gone (deleted from the checkpoint storage), so it "
-                               "cannot be served; use another checkpoint of the job.")
-    return directory
-
-
-def checkpoint_kind(directory: Path) -> str:
-    """"lora" (a PEFT adapter) or "full" (a whole model); 404 when the directory holds neither."""
-    if (directory / "adapter_config.json").is_file():
-        return "lora"
-    if (directory / "config.json").is_file():
-        return "full"
-    raise ModelUnavailable(404, "checkpoint_files_missing",
-                           "The checkpoint's directory holds neither a LoRA adapter nor a model.")
 
 
 def _max_context(model: Any) -> int:

@@ -9,10 +9,11 @@ A request that finds `AGENT_RFT_INFERENCE_MAX_QUEUE` requests already waiting is
 `rate_limit_exceeded` with `Retry-After` at once (before any stream starts), as OpenAI answers a
 request it has no capacity for; the API passes both through.
 
-What generates is the backend of `AGENT_RFT_INFERENCE_BACKEND` (workers/inference/scheduler.py):
-the engine on the models this process loads, or the vLLM fleet of `AGENT_RFT_VLLM_URLS`. Either
-way the prompt is rendered and the answer read here, by the rollout engine's own formatter and
-tool-call parser.
+What generates is the backend of `AGENT_RFT_INFERENCE_BACKEND` (workers/inference/backend.py):
+the engine's continuous batching on the models this process loads, or the vLLM fleet of
+`AGENT_RFT_VLLM_URLS`, both through the sampler seam the rollout engine samples through. Either way
+the prompt is rendered and the answer read here, by the rollout engine's own formatter and
+tool-call parser. With the vLLM backend this process imports no torch.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from app.core.config import Settings
 from app.core.errors import error_body
 from app.observability.access import metrics_refusal
 from workers.inference import metrics
+from workers.inference.backend import GenerationBackend, Pending, QueueFull
 from workers.inference.chat import BadChatRequest, ChatPlan, chunk, completion_body, delta, tool_call_deltas, usage
-from workers.inference.pool import ModelPool, ModelUnavailable
-from workers.inference.scheduler import GenerationBackend, Pending, QueueFull, Scheduler
+from workers.inference.served import ModelUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,21 @@ def generation_backend(settings: Settings, *, preload: bool = True) -> Generatio
         from workers.inference.vllm_backend import VLLMBackend
 
         return VLLMBackend(settings)
+    from workers.inference.engine_backend import EngineBackend  # torch: only where the engine generates
+    from workers.inference.pool import ModelPool
+
     pool = ModelPool(bases=settings.inference_models, capacity=settings.inference_pool_size,
                      dtype=settings.inference_dtype, checkpoint_root=settings.resolved_checkpoint_dir)
-    return Scheduler(pool, max_batch_size=settings.inference_max_batch_size,
-                     batch_window_s=settings.inference_batch_window_s,
-                     default_max_tokens=settings.inference_default_max_tokens,
-                     max_waiting=settings.inference_max_queue, preload=settings.inference_models if preload else [])
+    return EngineBackend(pool, max_batch_size=settings.inference_max_batch_size,
+                         default_max_tokens=settings.inference_default_max_tokens,
+                         max_waiting=settings.inference_max_queue,
+                         preload=settings.inference_models if preload else [])
 
 
-def create_inference_app(settings: Settings, *, preload: bool = True) -> FastAPI:
-    backend = generation_backend(settings, preload=preload)
+def create_inference_app(settings: Settings, *, preload: bool = True,
+                         backend: GenerationBackend | None = None) -> FastAPI:
+    """The inference server's app; `backend`: what generates (default: AGENT_RFT_INFERENCE_BACKEND's)."""
+    backend = backend or generation_backend(settings, preload=preload)
     token = settings.worker_token.get_secret_value()
 
     @contextlib.asynccontextmanager

@@ -22,15 +22,13 @@ import asyncio
 import hashlib
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from app.core.config import Settings
-from workers.inference.chat import BadChatRequest, ChoiceStream, finish_choice, plan
-from workers.inference.pool import ModelUnavailable, ServedModel, checked_checkpoint_directory, checkpoint_kind
-from workers.inference.scheduler import ChoiceRow, Pending, QueueFull, retry_after, running_mean
-from workers.rl.generation import GenerationOutput
+from workers.inference.backend import ChoiceRow, Pending, QueueFull, answer_on, retry_after, running_mean
+from workers.inference.chat import BadChatRequest, ChatPlan, ChoiceResult, plan
+from workers.inference.served import ModelUnavailable, ServedModel, checked_checkpoint_directory, checkpoint_kind
 from workers.rl.models import load_tokenizer
 from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import EngineConfig
@@ -64,9 +62,9 @@ class VLLMBackend:
         for key, sampler in self.samplers.items():
             live = await sampler.check()
             tokenizer = await asyncio.to_thread(load_tokenizer, sampler.base_model)
-            window = sampler.max_model_len or int(getattr(tokenizer, "model_max_length", 8192))
+            window = sampler.max_context or int(getattr(tokenizer, "model_max_length", 8192))
             self.served[key] = ServedModel(key=sampler.base_model, tokenizer=tokenizer,
-                                           formatter=ChatFormatter(tokenizer), max_context=window, _module=None)
+                                           formatter=ChatFormatter(tokenizer), max_context=window)
             log.info("serving %s on vLLM: %s (context %d)", sampler.base_model, ", ".join(live), window)
 
     async def stop(self) -> None:
@@ -110,18 +108,15 @@ class VLLMBackend:
             send(("error", exc))
             return
         send(("accepted", chat))
-        rows = [ChoiceRow(pending, chat, index, ChoiceStream(chat, served) if pending.stream else None)
-                for index in range(len(chat.generations))]
         try:
-            outputs = await self._generate(sampler, adapter, rows)
+            answered = await self._generate(sampler, adapter, pending, chat, served)
         except SamplerUnavailable as exc:
             send(("error", ModelUnavailable(503, "vllm_unavailable", f"No vLLM server can answer: {exc}")))
             return
         except VLLMError as exc:  # e.g. an adapter over the servers' --max-lora-rank: a deployment problem
             send(("error", ModelUnavailable(503, "vllm_error", f"The vLLM server failed this request: {exc}")))
             return
-        send(("done", chat, [(row, finish_choice(chat, served, row.choice, output))
-                             for row, output in zip(rows, outputs)]))
+        send(("done", chat, answered))
 
     def _resolve(self, model: dict[str, Any]) -> tuple[VLLMSampler, ServedModel, tuple[str, Path] | None]:
         """The fleet and tokenizer of the request's base, and its adapter (name, directory) if any."""
@@ -140,41 +135,23 @@ class VLLMBackend:
                                    "inference server on the engine backend (AGENT_RFT_INFERENCE_BACKEND=engine).")
         return self.samplers[key], self.served[key], (adapter_name(directory), directory)
 
-    async def _generate(self, sampler: VLLMSampler, adapter: tuple[str, Path] | None,
-                        rows: list[ChoiceRow]) -> list[GenerationOutput]:
+    async def _generate(self, sampler: VLLMSampler, adapter: tuple[str, Path] | None, pending: Pending,
+                        chat: ChatPlan, served: ServedModel) -> list[tuple[ChoiceRow, ChoiceResult]]:
         """Every choice of the request, on the adapter loaded on demand; loaded again once where a
         server had lost it (it answers 404 before any token, so nothing was streamed yet)."""
         try:
-            return await self._generate_once(sampler, adapter, rows)
+            return await self._generate_once(sampler, adapter, pending, chat, served)
         except VLLMError as exc:
             if adapter is None or not exc.model_missing:
                 raise
             sampler.forget_adapter(adapter[0])
             self.reloads += 1
             log.warning("a vLLM server had lost adapter %s (%s); loading it again", adapter[0], exc)
-        return await self._generate_once(sampler, adapter, rows)
+        return await self._generate_once(sampler, adapter, pending, chat, served)
 
-    async def _generate_once(self, sampler: VLLMSampler, adapter: tuple[str, Path] | None,
-                             rows: list[ChoiceRow]) -> list[GenerationOutput]:
+    async def _generate_once(self, sampler: VLLMSampler, adapter: tuple[str, Path] | None, pending: Pending,
+                             chat: ChatPlan, served: ServedModel) -> list[tuple[ChoiceRow, ChoiceResult]]:
         if adapter is not None:
             await sampler.load_adapter(*adapter)
-        chat = rows[0].chat
-        # The request's choices share one server (affinity): its prefix cache holds the prompt once.
-        requests = [replace(chat.generations[row.choice], affinity=chat.id) for row in rows]
-        async with sampler.session(model=adapter[0] if adapter else sampler.base_model,
-                                   temperature=chat.temperature, top_p=chat.top_p) as session:
-            return list(await asyncio.gather(*(session.generate(request, _streamer(row))
-                                               for request, row in zip(requests, rows))))
-
-
-def _streamer(row: ChoiceRow) -> Any:
-    """What takes each sampled id of a streamed choice: its content deltas go to the request."""
-    if row.stream is None:
-        return None
-    stream, events = row.stream, row.pending.events
-
-    def on_token(token: int) -> None:
-        row.pending.saw_token()
-        if text := stream.feed(token):
-            events.put_nowait(("delta", row.choice, text))
-    return on_token
+        async with sampler.session(model=adapter[0] if adapter else sampler.base_model) as session:
+            return await answer_on(session, pending, chat, served)

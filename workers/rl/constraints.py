@@ -10,7 +10,7 @@ ends the sequence as a stop)."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -55,16 +55,21 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
 
 
 class Constraint:
-    """`response_format` is what a vLLM server is sent instead (it enforces the format itself)."""
+    """One sequence's constraint. On the engine, its matcher masks each step; a vLLM server is sent
+    `grammar` instead and enforces it itself (its `guidance` backend is llguidance too), so the
+    matcher is only built where it is used."""
 
-    def __init__(self, grammar: str, tokenizer: Any, *, response_format: dict[str, Any]) -> None:
+    def __init__(self, grammar: str, tokenizer: Any) -> None:
+        self.grammar, self._tokenizer = grammar, tokenizer
+
+    @cached_property
+    def matcher(self) -> Any:
         import llguidance
 
-        self.response_format = response_format
-        self.tokenizer = _ll_tokenizer(tokenizer)
-        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise UnsupportedFormat(self.matcher.get_error())
+        matcher = llguidance.LLMatcher(_ll_tokenizer(self._tokenizer), self.grammar, log_level=0)
+        if matcher.is_error():
+            raise UnsupportedFormat(matcher.get_error())
+        return matcher
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         """A boolean mask over the model's `vocab_size` logits (tokens past the tokenizer's: never)."""
@@ -82,3 +87,27 @@ class Constraint:
     def finished(self) -> bool:
         """The value is complete (only the end of the turn may follow), or the matcher failed."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+
+class AnswerFormat:
+    """A reinforcement job's `response_format` in its rollouts: every turn is either a tool call,
+    free after the parser's opening tag, or the final answer as JSON that fits the format. The
+    grammars (with tools to call, and without) are compiled once; each turn gets its own matcher."""
+
+    def __init__(self, response_format: dict[str, Any], tokenizer: Any, *, call_open: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.grammars = {False: json_grammar(response_format)}
+        if call_open is not None:
+            self.grammars[True] = json_grammar(response_format, call_open=call_open)
+
+    @classmethod
+    def of(cls, response_format: dict[str, Any] | None, tokenizer: Any, parser: Any) -> AnswerFormat | None:
+        """The format to enforce, or None for free text (no format, or `text`)."""
+        if not response_format or response_format.get("type") == "text":
+            return None
+        return cls(response_format, tokenizer, call_open=getattr(parser, "OPEN", None))
+
+    def constraint(self, *, tools: bool) -> Constraint:
+        """A new turn's constraint; `tools`: the rollout has tools it may call instead of answering."""
+        grammar = self.grammars[tools and True in self.grammars]
+        return Constraint(grammar, self.tokenizer)

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from workers.rl import lean_decode
+from workers.rl.sampler import GenerationOutput, GenerationRequest
 
 
 @dataclass
@@ -31,29 +32,6 @@ class KVPrefix:
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
-
-
-@dataclass
-class GenerationRequest:
-    context_ids: list[int]
-    max_new_tokens: int
-    seed: int
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()  # e.g. "</tool_call>": checked on the decoded tail
-    prefix: KVPrefix | None = None  # the cache of context_ids[:prefix.length], if kept
-    keep_cache: bool = False  # hand back the row's cache (GenerationOutput.cache) for its next turn
-    affinity: str | None = None  # requests with the same key (a rollout's turns) go to the same server, if several
-    # Structured outputs: the tokens each step may take (workers/rl/constraints.Constraint); its
-    # sequence ends as a stop once the value is complete. One per request: it keeps the state.
-    constraint: Any = None
-
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str = "length"  # "stop" (an end-of-turn token was sampled) or "length"
-    cache: KVPrefix | None = None  # when the request asked for it: context + token_ids[:-1]
 
 
 def _sample_rows(
@@ -216,7 +194,7 @@ class DecodeBatch:
         """Sample for rows[first:], whose logits these are, then let finished rows leave."""
         rows = self.rows[first:]
         logits = _constrained(logits.cpu(), [row.request.constraint for row in rows])
-        tokens, logprobs = _sample_rows(logits, self.temperature, self.top_p, [row.generator for row in rows])
+        tokens, logprobs = self._sample_by_settings(logits, rows)
         done: list[int] = []
         for position, (row, token, logprob) in enumerate(zip(rows, tokens, logprobs), start=first):
             out, request = row.output, row.request
@@ -234,6 +212,25 @@ class DecodeBatch:
             elif len(out.token_ids) >= request.max_new_tokens:
                 done.append(position)
         return self._leave(done)
+
+    def _sample_by_settings(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
+        """`_sample_rows` for each group of rows that share a temperature and top-p (served requests
+        bring their own; rollouts share the batch's)."""
+        groups: dict[tuple[float, float], list[int]] = {}
+        for index, row in enumerate(rows):
+            request = row.request
+            settings = (self.temperature if request.temperature is None else request.temperature,
+                        self.top_p if request.top_p is None else request.top_p)
+            groups.setdefault(settings, []).append(index)
+        if len(groups) == 1:
+            (temperature, top_p), = groups
+            return _sample_rows(logits, temperature, top_p, [row.generator for row in rows])
+        tokens, logprobs = [0] * len(rows), [0.0] * len(rows)
+        for (temperature, top_p), indices in groups.items():
+            picked = _sample_rows(logits[indices], temperature, top_p, [rows[i].generator for i in indices])
+            for i, token, logprob in zip(indices, *picked):
+                tokens[i], logprobs[i] = token, logprob
+        return tokens, logprobs
 
     def _leave(self, done: list[int]) -> list[tuple[Any, GenerationOutput]]:
         if not done:

@@ -93,6 +93,7 @@ def resolve_hyperparameters(
         max_episode_steps=training.max_episode_steps,
         max_tokens_per_turn=options.max_tokens_per_turn, max_tokens_per_rollout=options.max_tokens_per_rollout,
         temperature=options.temperature, top_p=options.top_p, rollout_timeout_s=options.rollout_timeout,
+        response_format=getattr(training, "response_format", None),  # method.reinforcement's; none for plain options
     )
     config = TrainingConfig(
         batch_size=batch_size, n_epochs=n_epochs, group_size=group_size_for(compute),

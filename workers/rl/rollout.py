@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from workers import spans
-from workers.rl.generation import GenerationOutput, GenerationRequest, KVPrefix
-from workers.rl.sampler import InProcessSampler, Sampler, SamplingSession
+from workers.rl.constraints import AnswerFormat
+from workers.rl.sampler import CacheHandle, GenerationOutput, GenerationRequest, Sampler, SamplingSession
 from workers.rl.prompting import (
     ChatFormatter, assistant_message, budget_spent_message, feedback_message, tool_result_message,
 )
@@ -36,7 +36,7 @@ class EngineConfig:
     max_episode_steps: int = 10  # tool calls per rollout
     max_tokens_per_turn: int = 256
     max_tokens_per_rollout: int = 2048  # sampled tokens, all turns together
-    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
+    max_context_tokens: int | None = None  # default: the sampler's (the model's, or the vLLM fleet's)
     temperature: float = 1.0
     top_p: float = 1.0
     # Seconds a rollout may take in all (x_open_model.rollout_timeout); None: no limit.
@@ -54,6 +54,9 @@ class EngineConfig:
     # The trainer recomputes its log-probs unmerged, so the PPO ratio is against the policy it
     # trains; the rounding of the merge shows in train.logprob_mismatch.
     sampling_weights: bool = True
+    # The job's `response_format` (json_schema or json_object): each turn is a free tool call or the
+    # final answer as JSON that fits it (workers/rl/constraints.AnswerFormat). None: free text.
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class RolloutRecord:
     wall_time_s: float = 0.0
     finish_reason: str = "answered"
     final_answer: str = ""
+    output_json: Any = None  # the final answer parsed, when the job asks for JSON answers
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -130,6 +134,7 @@ class RolloutRecord:
         ]
         return {
             "output_text": self.final_answer,
+            **({"output_json": self.output_json} if self.output_json is not None else {}),
             "output_tools": output_tools,
             "choices": [{"index": 0, "finish_reason": OPENAI_FINISH_REASONS.get(self.finish_reason, "stop"),
                          "x_finish_reason": self.finish_reason,
@@ -155,9 +160,8 @@ class RolloutEngine:
                  config: EngineConfig | None = None, sampler: Sampler | None = None) -> None:
         self.model, self.tokenizer, self.formatter, self.tools = model, tokenizer, formatter, tool_client
         self.config = config or EngineConfig()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.sampler = sampler or InProcessSampler(model, pad_token_id=pad, config=self.config, decode=formatter.decode)
-        self.max_context = self.config.max_context_tokens or getattr(model.config, "max_position_embeddings", 8192)
+        self.sampler = sampler or self._in_process_sampler()
+        self.answer_format = AnswerFormat.of(self.config.response_format, tokenizer, formatter.parser)
         self.stop_token_ids = frozenset(formatter.stop_token_ids())
         self.stop_strings = tuple(formatter.parser.stop_strings)
         # Of the last run: time inside the model, and of it prefill_s and decode_s; tokens fed by
@@ -167,6 +171,22 @@ class RolloutEngine:
         self.prefill_tokens = 0
         self.prefill_rows: list[int] = []
         self.largest_batch = 0
+
+    def _in_process_sampler(self) -> Sampler:
+        from workers.rl.inprocess_sampler import InProcessSampler  # torch: only where the model is here
+
+        tokenizer = self.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return InProcessSampler(self.model, pad_token_id=pad, config=self.config, decode=self.formatter.decode)
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a rollout may span: the job's limit within the sampler's window (a vLLM fleet may
+        serve a shorter one than the model's config), so that no request asks for more."""
+        limits = [limit for limit in (self.config.max_context_tokens, self.sampler.max_context) if limit]
+        if not limits and self.model is not None:
+            limits = [getattr(self.model.config, "max_position_embeddings", 8192)]
+        return min(limits) if limits else 8192
 
     async def run(self, specs: list[RolloutSpec]) -> list[RolloutRecord]:
         session: SamplingSession | None = None
@@ -206,7 +226,7 @@ class _Episode:
         self.engine, self.spec, self.record, self.session = engine, spec, record, session
         self.cfg = engine.config
         self.fmt = engine.formatter
-        self.kv: KVPrefix | None = None  # this rollout's attention cache from its last turn, if kept
+        self.kv: CacheHandle | None = None  # the session's cache of this rollout's context from its last turn
         timeout = self.cfg.rollout_timeout_s
         self.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
 
@@ -241,6 +261,7 @@ class _Episode:
                 return self._finish("token_cap")
             if not parsed.calls and not parsed.issues:
                 record.final_answer = parsed.content
+                record.output_json = self._answer_json(parsed.content)
                 return self._finish("answered")
             consecutive_parse_errors = consecutive_parse_errors + 1 if parsed.issues and not parsed.calls else 0
             if consecutive_parse_errors >= self.cfg.max_consecutive_parse_errors:
@@ -284,7 +305,7 @@ class _Episode:
                                     stop_token_ids=self.engine.stop_token_ids,
                                     stop_strings=self.engine.stop_strings,
                                     prefix=self.kv, keep_cache=self.session.keeps_caches,
-                                    affinity=record.trace_id)
+                                    affinity=record.trace_id, constraint=self._constraint())
         self.kv = None  # handed to the session (a batching one accounts for it)
         output = await self.session.generate(request)
         self.kv, output.cache = output.cache, None
@@ -294,6 +315,19 @@ class _Episode:
             self._finish("truncated")
             return None
         return output
+
+    def _constraint(self) -> Any:
+        answer_format = self.engine.answer_format
+        return answer_format.constraint(tools=bool(self.spec.tools)) if answer_format is not None else None
+
+    def _answer_json(self, answer: str) -> Any:
+        """The final answer as the JSON value it is, when the job asks for JSON answers."""
+        if self.engine.answer_format is None:
+            return None
+        try:
+            return json.loads(answer)
+        except ValueError:
+            return None
 
     def _feedback(self, parsed: Any, *, dropped: int) -> str:
         parts = []

@@ -39,8 +39,7 @@ from typing import Any
 import httpx
 
 from app.core.retry import async_retrying, excerpt, retry_transient_http, retryable_status
-from workers.rl.generation import GenerationOutput, GenerationRequest, KVPrefix
-from workers.rl.sampler import SamplerUnavailable
+from workers.rl.sampler import CacheHandle, GenerationOutput, GenerationRequest, OnToken, SamplerUnavailable
 
 log = logging.getLogger(__name__)
 SERVER_REST_S = 30.0  # how long a failed server is left out before it is tried again
@@ -153,8 +152,8 @@ class VLLMSampler:
         return tops[0] < -0.05 and abs(tops[0] - tops[1]) < 0.01
 
     @property
-    def max_model_len(self) -> int | None:
-        """The smallest context window of the checked servers (None before `check`)."""
+    def max_context(self) -> int | None:
+        """The smallest context window (`--max-model-len`) of the checked servers (None before `check`)."""
         known = [s.max_model_len for s in self.servers if s.max_model_len]
         return min(known) if known else None
 
@@ -249,27 +248,27 @@ class VLLMSampler:
     # -- sampling ------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def session(self, *, model: str | None = None, temperature: float | None = None,
-                      top_p: float | None = None) -> AsyncIterator[_VLLMSession]:
-        """A run of requests; by default on the current policy with the job's sampling settings,
-        else on `model` (the base or an adapter loaded with load_adapter) and the given settings."""
-        sampling = {"model": model or self.served_model,
-                    "temperature": self.config.temperature if temperature is None else temperature,
-                    "top_p": self.config.top_p if top_p is None else top_p}
+    async def session(self, *, model: str | None = None) -> AsyncIterator[_VLLMSession]:
+        """A run of requests with the job's sampling settings (a request may bring its own); by
+        default on the current policy, else on `model` (the base or an adapter loaded with load_adapter)."""
+        sampling = {"model": model or self.served_model, "temperature": self.config.temperature,
+                    "top_p": self.config.top_p}
         async with self._client() as http:
             yield _VLLMSession(self, http, sampling)
 
     def completion_body(self, request: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
         body = {
             **sampling, "prompt": list(request.context_ids), "max_tokens": request.max_new_tokens,
+            **({"temperature": request.temperature} if request.temperature is not None else {}),
+            **({"top_p": request.top_p} if request.top_p is not None else {}),
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             "stop_token_ids": sorted(request.stop_token_ids), "stop": list(request.stop_strings),
             "include_stop_str_in_output": True,
         }
         if self.seeded:
             body["seed"] = request.seed
-        if request.constraint is not None:  # structured outputs: vLLM enforces the format itself
-            body["response_format"] = request.constraint.response_format
+        if request.constraint is not None:  # structured outputs: the engine's grammar, enforced by vLLM's guidance backend
+            body["structured_outputs"] = {"grammar": request.constraint.grammar}
         return body
 
 
@@ -291,11 +290,10 @@ class _VLLMSession:
     def finished(self) -> None:
         pass
 
-    def release(self, cache: KVPrefix | None) -> None:
+    def release(self, cache: CacheHandle | None) -> None:
         pass
 
-    async def generate(self, request: GenerationRequest,
-                       on_token: Callable[[int], None] | None = None) -> GenerationOutput:
+    async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> GenerationOutput:
         """One turn; with `on_token`, streamed, each sampled id handed to it as it arrives (a turn
         is moved to another server only before its first token)."""
         body = self.sampler.completion_body(request, self.sampling)

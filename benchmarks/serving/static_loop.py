@@ -1,109 +1,34 @@
-"""The inference server's generation backends, and the engine's: batching on the models it loads.
-
-A backend takes each checked request as a `Pending` (`submit`, or QueueFull at once) and answers on
-the request's own asyncio queue: ("accepted", plan) or ("error", exc) first, then ("delta", choice
-index, text) while it streams, then ("done", plan, [(ChoiceRow, ChoiceResult)]). Two backends:
-`Scheduler` here (AGENT_RFT_INFERENCE_BACKEND=engine) and `VLLMBackend`
-(workers/inference/vllm_backend.py).
-
-Batching: requests for the same model (and sampling settings) are generated together.
-
-Every request becomes a `Pending`; a loop takes the oldest one, waits `batch_window_s` for
-others of the same model to arrive, and generates all their rows (n per request) in one
-`generate_batch` call on the inference server's single generation thread, which is also the only
-thread that touches the model pool.
-
-The queue is bounded: at most `max_waiting` requests wait for a batch (those taken into the batch
-being generated are not counted). Past it, `submit` raises QueueFull at once, with the seconds
-after which a retry should find room: a request waiting now is taken when the running batch ends,
-so that is about one batch's time (the mean of the recent ones).
-"""
+"""THE BASELINE of benchmarks/serving, frozen: the inference server's engine backend as it was before
+serving went through the sampler seam. A loop takes the oldest request, waits `batch_window_s` for
+others of the same model and sampling settings, and generates all their rows in one static batch
+(`generate_batch`): a batch runs to its longest row, and a request arriving meanwhile waits for the
+next batch. Kept here, unchanged but for the imports, so that the benchmark measures the unified
+path against it in the same run; nothing in the service uses it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from workers.inference.chat import BadChatRequest, ChatPlan, ChoiceStream, finish_choice, plan
+from workers.inference.backend import ChoiceRow, Pending, QueueFull, retry_after, running_mean
+from workers.inference.chat import BadChatRequest, ChoiceStream, finish_choice, plan
 from workers.inference.pool import ModelPool, ModelUnavailable, ServedModel
 from workers.rl.generation import GenerationRequest, generate_batch
 from workers.rl.models import release_freed_memory
 
 log = logging.getLogger(__name__)
-# The openai SDK waits out a Retry-After only up to a bound (60 s in older versions, 120 s now).
-RETRY_AFTER_MAX_S = 60
-BATCH_TIME_WEIGHT = 0.3  # weight of the latest batch in the running mean of batch durations
 
 
-class QueueFull(Exception):
-    def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(f"{waiting} requests are waiting")
-        self.waiting, self.retry_after_s = waiting, retry_after_s
+def _group(pending: Pending) -> tuple[Any, ...]:
+    r = pending.request
+    return (pending.model["base"].casefold(), pending.model.get("checkpoint_path"), r.get("temperature"), r.get("top_p"))
 
 
-def retry_after(expected_s: float | None) -> int:
-    """Whole seconds to wait before a retry, when room is expected in `expected_s` (unknown: 1 s)."""
-    return min(RETRY_AFTER_MAX_S, max(1, math.ceil(expected_s if expected_s is not None else 1.0)))
-
-
-def running_mean(previous: float | None, value: float) -> float:
-    return value if previous is None else previous + BATCH_TIME_WEIGHT * (value - previous)
-
-
-@dataclass
-class Pending:
-    request: dict[str, Any]
-    model: dict[str, Any]  # {"name", "base", "checkpoint_path"} as the API resolved it
-    stream: bool
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # time.monotonic() at arrival and at its first sampled token (the server's time-to-first-token metric)
-    received_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-
-    def saw_token(self) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-
-    @property
-    def group(self) -> tuple[Any, ...]:
-        r = self.request
-        return (self.model["base"].casefold(), self.model.get("checkpoint_path"), r.get("temperature"), r.get("top_p"))
-
-    def rows(self) -> int:
-        return int(self.request.get("n") or 1)
-
-
-@dataclass
-class ChoiceRow:
-    """One choice of a request being generated (a request has n)."""
-
-    pending: Pending
-    chat: ChatPlan
-    choice: int
-    stream: ChoiceStream | None  # turns its tokens into content deltas, when the request streams
-
-
-class GenerationBackend(Protocol):
-    async def start(self) -> None:
-        """Ready to answer (models loaded, servers checked); raises when it cannot serve."""
-        ...
-
-    async def stop(self) -> None: ...
-
-    def submit(self, pending: Pending) -> None:
-        """Start answering `pending` on its queue; QueueFull at once when at capacity."""
-        ...
-
-    def health(self) -> dict[str, Any]: ...
-
-
-class Scheduler:
-    """The engine backend: a model pool and one generation thread."""
+class StaticScheduler:
+    """The engine backend as it was: a model pool and one generation thread, one static batch at a time."""
 
     def __init__(self, pool: ModelPool, *, max_batch_size: int, batch_window_s: float, default_max_tokens: int,
                  max_waiting: int, preload: list[str] | None = None) -> None:
@@ -186,7 +111,7 @@ class Scheduler:
         head = self.pending[0]
         batch, rows = [], 0
         for pending in list(self.pending):
-            if pending.group != head.group or (batch and rows + pending.rows() > self.max_batch_size):
+            if _group(pending) != _group(head) or (batch and rows + pending.rows() > self.max_batch_size):
                 continue
             batch.append(pending)
             rows += pending.rows()
@@ -220,9 +145,9 @@ class Scheduler:
         tokenizer = served.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         try:
-            with self.pool.generating(served) as module:
-                outputs = generate_batch(module, requests, pad_token_id=pad, temperature=rows[0].chat.temperature,
-                                         top_p=rows[0].chat.top_p, decode=served.formatter.decode, on_token=on_token)
+            module = self.pool.prepared(served)
+            outputs = generate_batch(module, requests, pad_token_id=pad, temperature=requests[0].temperature,
+                                     top_p=requests[0].top_p, decode=served.formatter.decode, on_token=on_token)
         finally:
             release_freed_memory()  # KV caches of a new shape every batch (models.release_freed_memory)
         results: dict[int, list[Any]] = {}
