@@ -84,7 +84,10 @@ class EngineBackend:
             await self.wake.wait()
             self.wake.clear()
             while self.waiting:
-                await self._serve_model(self.waiting[0].model_key)
+                try:
+                    await self._serve_model(self.waiting[0].model_key)
+                except Exception:  # noqa: BLE001 - the requests fail on their own; the server goes on
+                    log.exception("serving a model's requests failed")
 
     async def _serve_model(self, key: tuple[str, str | None]) -> None:
         """Serve the requests for the model of `key` on one session while they come."""
