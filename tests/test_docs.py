@@ -218,11 +218,62 @@ def test_the_checker_finds_made_up_references():
     ]
 
 
-def test_the_x_open_model_table_lists_every_option():
-    from app.jobs.schemas import OpenModelOptions
-
+def _listed(section: str, until: str | None = None) -> set[str]:
     text = CONFIGURATION.read_text()
-    table = text[text.index("## `x_open_model`"):text.index("## Hyperparameters")]
-    listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
-    fields = set(OpenModelOptions.model_fields)
+    start = text.index(section)
+    table = text[start:text.index(until, start) if until else None]
+    return set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+
+
+@pytest.mark.parametrize("section,until,model", [
+    ("## `x_open_model`", "## Structured outputs", "OpenModelOptions"),
+    ("## Hyperparameters", "## Supervised jobs", "ReinforcementHyperparameters"),
+    ("`method.supervised.hyperparameters`:", "`method.supervised.x_open_model`:", "SupervisedHyperparameters"),
+    ("`method.supervised.x_open_model`:", None, "SupervisedModelOptions"),
+])
+def test_configuration_lists_every_option_of_every_method(section, until, model):
+    from app.jobs import schemas
+
+    listed, fields = _listed(section, until), set(getattr(schemas, model).model_fields)
     assert listed == fields, f"missing {sorted(fields - listed)}, no longer options {sorted(listed - fields)}"
+
+
+# A tracker's numbers ("issue" and a number): a reader has no tracker to open; say the point instead.
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+SOURCE_DIRS = ("app", "workers", "tests", "examples", "benchmarks", "scripts", "docs", "migrations", "docker")
+
+
+def test_no_doc_or_code_cites_an_issue_number():
+    assert all(ISSUE_NUMBER.search(text) for text in ("see Issue #42", "issues 3 and 4", "(issue 7)"))
+    assert not any(ISSUE_NUMBER.search(text) for text in ("an issue in 2026", "tissue 5", "issued 3 keys"))
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
+    for folder in SOURCE_DIRS:
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".sh", ".yaml", ".toml")
+                  and p != Path(__file__)]  # this file shows what the check refuses
+    cited = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
+             if ISSUE_NUMBER.search(line)]
+    assert not cited, cited
+
+
+def test_the_command_line_page_lists_every_command():
+    import typer
+
+    from app.cli import cli
+
+    commands = {c.name for c in typer.main.get_command(cli).commands.values()}
+    text = (ROOT / "docs" / "cli.md").read_text()
+    table = text[:text.index("## Client commands")]
+    listed = {name for row in re.findall(r"^\| (`[^|]+) \|", table, re.M) for name in re.findall(r"`(\w+)`", row)}
+    assert listed == commands, f"missing {sorted(commands - listed)}, not commands {sorted(listed - commands)}"
+
+
+
+def test_operations_says_what_every_dependency_is_for():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+    names = {re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0] for d in wanted if not d.startswith("agent-rft")}
+    text = (ROOT / "docs" / "operations.md").read_text()
+    described = {name for row in re.findall(r"^\| (.+?) \|", text, re.M) for name in re.findall(r"`([\w.-]+)", row)}
+    assert names <= described, f"not described in docs/operations.md: {sorted(names - described)}"

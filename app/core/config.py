@@ -142,7 +142,7 @@ class Settings(BaseSettings):
     )
     secret_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated Fernet keys that encrypt the secrets stored in the database (tool headers, webhook signing secrets), newest first: the first encrypts, every one decrypts. Required with PostgreSQL; unset with the embedded SQLite default: a key generated once into `<data_dir>/secret.key`. docs/security.md.",
+        description="Comma-separated Fernet keys that encrypt the secrets stored in the database (tool and endpoint-grader header values, webhook signing secrets, a project's W&B API key), newest first: the first encrypts, every one decrypts. Required with PostgreSQL; unset with the embedded SQLite default: a key generated once into `<data_dir>/secret.key`. docs/security.md.",
     )
     api_rate_limit: str | None = Field(
         None,

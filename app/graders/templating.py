@@ -67,12 +67,6 @@ def render(template: str, sample: Sample, item: dict[str, Any]) -> str:
     return _HOLE.sub(lambda m: to_text(resolve(m.group(1), sample, item)), template)
 
 
-def render_value(template: str, sample: Sample, item: dict[str, Any]) -> Any:
-    """A template that is exactly one hole yields the raw value (number, list, ...), else text."""
-    match = _HOLE.fullmatch(template.strip())
-    return resolve(match.group(1), sample, item) if match else render(template, sample, item)
-
-
 def check_template(template: str) -> None:
     """Creation-time check: every hole parses and starts at item or sample."""
     for hole in _HOLE.findall(template):

@@ -375,6 +375,3 @@ class _Episode:
         self.record.tool_output_tokens += len(ids)
         return True
 
-
-def dumps_record(record: RolloutRecord) -> str:
-    return json.dumps(asdict(record))
