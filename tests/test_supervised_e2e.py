@@ -92,8 +92,10 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
     # Learning: the base model never calls the tool unprompted; after SFT on search traces, sampled
     # rollouts do.
     assert sum(r["tool_calls"] for r in rollouts) > 0, rollouts
+    # The job's response_format left those calls free (a policy trained on browsing traces calls until
+    # its budget ends); where it answers, the answer is JSON that fits, the graders' output_json.
     answered = [r for r in rollouts if r["finish_reason"] == "answered"]
-    for rollout in answered:  # the job's response_format: every answer is JSON that fits, the graders' output_json
+    for rollout in answered:
         value = json.loads(rollout["data"]["final_answer"])
         jsonschema.validate(value, ANSWER_SCHEMA)
         assert rollout["data"]["output_json"] == value

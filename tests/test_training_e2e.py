@@ -247,6 +247,9 @@ def test_pause_and_resume_keep_one_worker_on_the_job_and_count_each_step_once(tr
     """Two workers on the queue. A pause and a resume within one heartbeat leave the job with its
     worker (no second run beside it); a pause the worker acknowledged, then a resume, hand it to the
     next claim from the saved state. Each step is trained and counted once."""
+    # Leases that outlast a heartbeat delayed by a busy machine: with the file's 4 s leases the
+    # watchdog could re-queue the job from under its live worker, and a third or fourth start follows.
+    training_settings.lease_seconds = 15
     with live_server(training_settings) as base, tool_server(latency_s=0.2) as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
             celery_worker(training_settings, base) as (_, log), celery_worker(training_settings, base) as (_, other_log):

@@ -27,21 +27,30 @@ from tests.test_training_e2e import celery_worker, rows, training_settings  # no
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}}, "required": ["answer"],
                  "additionalProperties": False}
 ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
-# 1 when the grader was handed the answer as `output_json`, an object: what a structured job's graders read.
-SEES_JSON = {"type": "python", "name": "sees_json",
-             "source": "def grade(sample, item):\n    return 1.0 if isinstance(sample.get('output_json'), dict) else 0.0\n"}
+# At least 0.5 when the grader was handed the answer as `output_json`, an object (what a structured job's
+# graders read), else 0; spread by the answer's length, so that the steps have advantages to train on.
+SEES_JSON = {"type": "python", "name": "sees_json", "source": (
+    "def grade(sample, item):\n"
+    "    if not isinstance(sample.get('output_json'), dict):\n"
+    "        return 0.0\n"
+    "    return 0.5 + sum(map(ord, sample['output_text'])) % 10 / 20\n")}
 
 
 def create_job(sdk: openai.OpenAI, tool_url: str, model: str, *, n_rows: int = 4,  # noqa: ANN003
                response_format: dict | None = None, **options) -> str:
-    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(rows(n_rows)))), purpose="fine-tune")
+    """A LoRA job on `model`; with `response_format`, asked without tools (offered a tool, the base model
+    opens a call at once and never answers; the answers are what the format constrains)."""
+    train = rows(n_rows)
+    if response_format:
+        train = [{key: value for key, value in row.items() if key != "tools"} for row in train]
+    uploaded = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(train))), purpose="fine-tune")
     grader = SEES_JSON if response_format else {
         "type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
         "reference": "{{item.reference_answer}}", "evaluation_metric": "fuzzy_match"}
     return sdk.fine_tuning.jobs.create(model=model, training_file=uploaded.id, seed=7, method={
         "type": "reinforcement", "reinforcement": {
             "grader": grader, **({"response_format": response_format} if response_format else {}),
-            "tools": [{"name": "search", "server_url": tool_url}],
+            "tools": [] if response_format else [{"name": "search", "server_url": tool_url}],
             "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 1, "eval_interval": 2,
                                 "eval_samples": 2},
             "max_episode_steps": 1,
@@ -81,10 +90,12 @@ def test_a_lora_job_is_trained_on_vllm_and_served_there(training_settings: Setti
     assert answered, [(r["finish_reason"], r["data"]["final_answer"]) for r in rollouts["data"]]
     for rollout in answered:  # every answer fits, and the grader got it as output_json
         assert jsonschema.validate(json.loads(rollout["data"]["final_answer"]), ANSWER_SCHEMA) is None
-        assert rollout["reward"] == 1.0 and rollout["data"]["output_json"] == json.loads(rollout["data"]["final_answer"])
+        assert rollout["reward"] >= 0.5 and rollout["data"]["output_json"] == json.loads(rollout["data"]["final_answer"])
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
     assert [m["train"]["policy_version"] for m in metrics] == [0, 1]  # step 1 on the base, step 2 on v1
-    assert all(m["train"]["logprob_mismatch"] is not None and m["train"]["logprob_mismatch"] < 0.1 for m in metrics)
+    # The trainer scores each answer under the masks vLLM sampled it with: the log-probs agree.
+    mismatches = [m["train"]["logprob_mismatch"] for m in metrics]  # None: a step whose groups all tied
+    assert any(x is not None for x in mismatches) and all(x is None or x < 0.1 for x in mismatches), mismatches
     assert not {name for name in trained_on if name.startswith(job_id)}  # unloaded when the job ended
     policy_dirs = list((training_settings.checkpoint_dir / job_id / "policy").iterdir())
     assert [p.name for p in policy_dirs] == ["v2"]

@@ -214,6 +214,42 @@ def test_sampled_logprobs_match_a_forward_pass_on_a_real_model():
                 assert abs(recomputed[i] - sampled) < 1e-3, (i, recomputed[i], sampled)
 
 
+def test_under_a_response_format_the_trainer_scores_the_distribution_the_sampler_drew_from():
+    """A job's JSON answer format masks each sampled token's distribution; the trainer's log-probs
+    (the update's own collate and token_logprobs) are taken under the same masks, so they equal the
+    sampler's, where the unmasked model's are larger in magnitude: the PPO ratio starts at 1."""
+    import torch
+
+    from workers.rl.update import TrainSequence, collate, token_logprobs
+
+    loaded = load_model("tiny-smollm2", dtype="float32")
+    answer_format = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}}, "required": ["answer"],
+        "additionalProperties": False}}}
+    with tool_server() as (url, _):
+        async def go():  # noqa: ANN202
+            async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+                engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), client,
+                                       EngineConfig(max_tokens_per_turn=24, max_tokens_per_rollout=24,
+                                                    sampling_weights=False, response_format=answer_format))
+                specs = [RolloutSpec(i, [{"role": "user", "content": "hi " * (i + 1)}], TOOLS[:1], {}, seed=i)
+                         for i in range(3)]
+                return await engine.run(specs)
+
+        records = asyncio.run(go())
+    assert all(len(r.allowed) == r.completion_tokens > 0 for r in records)
+    sequences = [TrainSequence.from_record(r, 1.0) for r in records]
+    collated = collate(sequences, 0, torch.device("cpu"))
+    with torch.no_grad():
+        trained = token_logprobs(loaded.model, collated, 1.0)[collated.loss_mask]
+        unmasked = token_logprobs(loaded.model, collate([TrainSequence(s.token_ids, s.loss_mask, s.sampling_logprobs,
+                                                                       1.0) for s in sequences], 0,
+                                                        torch.device("cpu")), 1.0)[collated.loss_mask]
+    sampled = collated.sampling_logprobs[collated.loss_mask]
+    assert (trained - sampled).abs().max() < 1e-3
+    assert (unmasked - sampled).abs().max() > 0.1  # without the masks, the ratio would be off
+
+
 def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass(tool_calling_adapter):  # noqa: ANN001
     """The real 135M model, with an adapter trained to search (tests/rl/trained_adapter.py), calls the
     real tool server in its sampled rollouts and continues after the result; the multi-turn record

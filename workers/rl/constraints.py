@@ -109,5 +109,18 @@ class AnswerFormat:
 
     def constraint(self, *, tools: bool) -> Constraint:
         """A new turn's constraint; `tools`: the rollout has tools it may call instead of answering."""
-        grammar = self.grammars[tools and True in self.grammars]
-        return Constraint(grammar, self.tokenizer)
+        return Constraint(self.grammars[tools and True in self.grammars], self.tokenizer)
+
+    def masks(self, token_ids: list[int], *, tools: bool) -> list[np.ndarray] | None:
+        """The tokens the constraint allowed before each of a turn's sampled tokens, packed (a bit per
+        token id, little-endian, as llguidance computes them): replayed over what was sampled, so it
+        is the same whichever sampler applied it. The trainer scores the turn under these masks, the
+        distribution it was sampled from. None where the tokens do not follow the grammar."""
+        matcher = self.constraint(tools=tools).matcher
+        masks = []
+        for token in token_ids:
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            if token >= mask.size * 8 or not (mask[token >> 3] >> (token & 7)) & 1 or not matcher.consume_token(token):
+                return None
+            masks.append(mask)
+        return masks

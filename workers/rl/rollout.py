@@ -104,6 +104,10 @@ class RolloutRecord:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    # Under a response_format: for each sampled token (by its index in token_ids), the tokens the
+    # constraint allowed there, packed (constraints.AnswerFormat.masks): the trainer's log-probs are
+    # taken under the same masks, as the sampler's were.
+    allowed: dict[int, Any] = field(default_factory=dict)
 
     @property
     def tool_failure(self) -> bool:
@@ -146,8 +150,8 @@ class RolloutRecord:
 
     def summary(self) -> dict[str, Any]:
         """The record without the token arrays, for storage and display."""
-        data = asdict(self)
-        for key in ("token_ids", "logprobs", "loss_mask"):
+        data = asdict(replace(self, token_ids=[], logprobs=[], loss_mask=[], allowed={}))
+        for key in ("token_ids", "logprobs", "loss_mask", "allowed"):
             data.pop(key)
         return data
 
@@ -309,6 +313,8 @@ class _Episode:
         self.kv = None  # handed to the session (a batching one accounts for it)
         output = await self.session.generate(request)
         self.kv, output.cache = output.cache, None
+        if request.constraint is not None:
+            self._keep_masks(len(record.token_ids), output.token_ids)
         self._append(output.token_ids, sampled=True, logprobs=output.logprobs)
         record.completion_tokens += len(output.token_ids)
         if output.finish != "stop" and len(record.token_ids) >= self.engine.max_context:
@@ -319,6 +325,11 @@ class _Episode:
     def _constraint(self) -> Any:
         answer_format = self.engine.answer_format
         return answer_format.constraint(tools=bool(self.spec.tools)) if answer_format is not None else None
+
+    def _keep_masks(self, start: int, token_ids: list[int]) -> None:
+        masks = self.engine.answer_format.masks(token_ids, tools=bool(self.spec.tools))
+        if masks is not None:  # else (a sampler that did not follow the grammar) the turn is scored unmasked
+            self.record.allowed.update(zip(range(start, start + len(masks)), masks))
 
     def _answer_json(self, answer: str) -> Any:
         """The final answer as the JSON value it is, when the job asks for JSON answers."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from workers.rl.advantages import (
@@ -32,10 +34,14 @@ class TrainSequence:
     loss_mask: list[int]
     sampling_logprobs: list[float]
     advantage: float
+    # Sampled under a response_format: the tokens allowed at each constrained token (by index, packed
+    # bits); the log-probs there are of the masked distribution, the one the sampler drew from.
+    allowed: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def from_record(cls, record: RolloutRecord, advantage: float) -> TrainSequence:
-        return cls(list(record.token_ids), list(record.loss_mask), list(record.logprobs), advantage)
+        return cls(list(record.token_ids), list(record.loss_mask), list(record.logprobs), advantage,
+                   dict(record.allowed))
 
 
 @dataclass
@@ -201,6 +207,11 @@ class Collated:
     sampling_logprobs: torch.Tensor  # [B, P]
     advantages: torch.Tensor  # [B, 1]
     prefix_ids: torch.Tensor | None = None  # [1, prefix]: the tokens every row starts with, fed once
+    # [N, W] for the N sampled positions (loss_mask's nonzero order): the tokens a response_format
+    # allowed there (all where none applied; W: the tokenizer's vocabulary, in whole 32-bit words),
+    # and [N] which positions it constrained; None when no row was constrained.
+    allowed: torch.Tensor | None = None
+    constrained: torch.Tensor | None = None
 
 
 # The reference policy's log-probs of a batch's tokens (None: no KL term).
@@ -227,12 +238,31 @@ def collate(sequences: list[TrainSequence], pad_token_id: int, device: torch.dev
     # Only the logits that predict a sampled token are computed: the vocabulary projection of
     # prompt and tool-output positions is skipped, which is most of the memory for long contexts.
     targets = torch.nonzero(mask.any(dim=0)).squeeze(-1)
+    loss_mask = mask[:, targets]
     return Collated(
         input_ids=ids.to(device), attention_mask=attention.to(device), positions=(targets - 1).to(device),
-        loss_mask=mask[:, targets].to(device), sampling_logprobs=sampled[:, targets].to(device),
+        loss_mask=loss_mask.to(device), sampling_logprobs=sampled[:, targets].to(device),
         advantages=torch.tensor([[s.advantage] for s in sequences], dtype=torch.float32, device=device),
         prefix_ids=torch.tensor([sequences[0].token_ids[:prefix]], device=device) if prefix else None,
+        **_allowed(sequences, loss_mask, targets + prefix, device),
     )
+
+
+def _allowed(sequences: list[TrainSequence], loss_mask: torch.Tensor, token_index: torch.Tensor,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """Collated's `allowed` and `constrained`: the response_format masks of the sampled positions,
+    unpacked; none when no position was constrained."""
+    rows, columns = loss_mask.nonzero(as_tuple=True)
+    packed = [sequences[row].allowed.get(int(token_index[column])) if sequences[row].allowed else None
+              for row, column in zip(rows.tolist(), columns.tolist())]
+    if all(mask is None for mask in packed):
+        return {}
+    bits = np.ones((len(packed), max(m.size for m in packed if m is not None) * 8), dtype=bool)
+    for n, mask in enumerate(packed):
+        if mask is not None:
+            bits[n, :mask.size * 8] = np.unpackbits(mask, bitorder="little").astype(bool)
+    constrained = torch.tensor([mask is not None for mask in packed], device=device)
+    return {"allowed": torch.from_numpy(bits).to(device), "constrained": constrained}
 
 
 def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
@@ -240,11 +270,22 @@ def token_logprobs(model: torch.nn.Module, batch: Collated, temperature: float) 
     at the sampling temperature (as generation.sequence_logprobs computes them), over the full
     vocabulary."""
     logits, targets, (rows, columns) = target_logits(model, batch)
+    if batch.allowed is not None:  # sampled under a response_format: its masked distribution
+        logits = logits.masked_fill(~_fit(batch.allowed, batch.constrained, logits.shape[-1]), float("-inf"))
     if temperature > 0 and temperature != 1.0:  # x / 1 is x: spares a [positions, vocabulary] op and its backward
         logits = logits / temperature
     sampled = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return torch.zeros(batch.loss_mask.shape, dtype=sampled.dtype, device=sampled.device).index_put((rows, columns),
                                                                                                      sampled)
+
+
+def _fit(allowed: torch.Tensor, constrained: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """The masks over the model's vocabulary, which may be wider than the tokenizer's: a constrained
+    position never allows the ids past the tokenizer's (the sampler's mask did not), others allow all."""
+    if allowed.shape[-1] >= vocabulary:
+        return allowed[:, :vocabulary]
+    beyond = (~constrained).unsqueeze(-1).expand(-1, vocabulary - allowed.shape[-1])
+    return torch.cat([allowed, beyond], dim=-1)
 
 
 def target_logits(model: torch.nn.Module, batch: Collated) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
