@@ -12,16 +12,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
-from app.core.crypto import secret_box
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, not_found
 from app.core.ids import new_id
 from app.core.pagination import ListPage, page, page_by
-from app.core.urls import BlockedURL, guard_url
 from app.files.models import StoredFile
-from app.graders.service import check_grader_urls, check_python_isolation
 from app.idempotency import service as idempotency
 from app.jobs.lineage import fine_tuned_source, is_fine_tuned, training_mode_of
+from app.jobs.methods import METHODS
 from app.jobs.models import Checkpoint, Job, JobEvent, JobRollout
 from app.jobs.schemas import (
     CheckpointObject,
@@ -39,7 +37,6 @@ from app.jobs.schemas import (
 from app.jobs import tool_headers
 from app.jobs.integrations import check_integrations, public_integrations
 from app.jobs.state import ACTIONS, ACTIVE, JobStatus, add_event, transition
-from app.jobs.validation import parameters_schema_problem
 from app.serving.service import model_not_found
 
 ENDPOINT = "POST /v1/fine_tuning/jobs"
@@ -107,7 +104,7 @@ def _with_top_level_hyperparameters(method: Method, hyperparameters: dict[str, A
     return method.model_copy(update={"supervised": supervised.model_copy(update={"hyperparameters": parsed})})
 
 
-JOB_METHODS = ("reinforcement", "supervised")
+JOB_METHODS = tuple(METHODS)
 
 
 def check_method(method: Method | None, settings: Settings, *,
@@ -120,38 +117,7 @@ def check_method(method: Method | None, settings: Settings, *,
     if method.type not in supported:
         raise APIError(400, f"method.type '{method.type}' is not supported here; use "
                             f"{' or '.join(repr(t) for t in supported)}.", code="unsupported_method", param="method.type")
-    if method.type == "supervised":
-        # Every default filled in: the worker reads this form as it is stored.
-        return {"type": "supervised", "supervised": (method.supervised or SupervisedMethod()).model_dump(mode="json")}
-    return _check_reinforcement(method, settings)
-
-
-def _check_reinforcement(method: Method, settings: Settings) -> dict[str, Any]:
-    """The stored reinforcement block: tools and graders checked, their header values sealed."""
-    if method.reinforcement is None:
-        raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
-                       code="missing_required_parameter", param="method.reinforcement")
-    seen: set[str] = set()
-    for i, tool in enumerate(method.reinforcement.tools):
-        if tool.name in seen:
-            raise bad_request(f"Tool '{tool.name}' is declared twice.", param=f"method.reinforcement.tools[{i}].name",
-                              code="duplicate_tool")
-        seen.add(tool.name)
-        if tool.parameters is not None:
-            problem = parameters_schema_problem(tool.parameters)
-            if problem:
-                raise bad_request(f"Tool '{tool.name}' parameters {problem}.",
-                                  param=f"method.reinforcement.tools[{i}].parameters", code="invalid_tool_schema")
-        try:
-            guard_url(tool.server_url, settings.outbound_allowlist, strict_resolution=False)
-        except BlockedURL as exc:
-            raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
-                              param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
-    check_grader_urls(method.reinforcement.grader, settings.outbound_allowlist, param="method.reinforcement.grader")
-    check_python_isolation(method.reinforcement.grader, required=settings.python_grader_required_isolation,
-                           cap=settings.python_grader_isolation_cap, param="method.reinforcement.grader")
-    stored = {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
-    return tool_headers.seal_headers(stored, secret_box(settings))
+    return METHODS[method.type].stored_block(method, settings)
 
 
 def _check_start(session: Session, project_id: str, model: str, method: dict[str, Any]) -> None:

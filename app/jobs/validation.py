@@ -190,11 +190,10 @@ RowRule = Callable[[Any], None]
 
 
 def row_rule(method_type: str, declared_tools: set[str]) -> RowRule:
-    """How a row of a job's files is checked: a reinforcement row is a prompt whose tools the job
-    declares; a supervised row is a whole conversation to imitate."""
-    if method_type == "supervised":
-        return check_supervised_row
-    return lambda row: check_row(row, declared_tools)
+    """How a row of a job's files is checked: its method's rule (app/jobs/methods/)."""
+    from app.jobs.methods import METHODS  # the methods' rules are built from this module's checks
+
+    return METHODS[method_type].row_rule(declared_tools)
 
 
 def _json_problem(raw: bytes, row: Any) -> tuple[str, str] | None:

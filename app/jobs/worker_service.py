@@ -24,6 +24,7 @@ from app.jobs import service as jobs
 from app.jobs import step_metrics
 from app.jobs.integrations import wandb_key_for_claim
 from app.jobs.lineage import base_model_of, checkpoint_named, is_fine_tuned, start_point
+from app.jobs.methods import METHODS
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
 from app.jobs.state import JOB_STATES, JobStatus, add_event, transition
 from app.jobs.tool_headers import open_headers
@@ -266,23 +267,25 @@ def fine_tuned_model_name(session: Session, job: Job) -> str:
     return f"ft:{base}:{_project_name(session, job)}:{job.suffix or ''}:{job.id}"
 
 
-def _validation_score(checkpoint: Checkpoint) -> float:
-    """Higher is better: the validation reward (reinforcement), or minus the validation loss
-    (supervised); -inf for a checkpoint without either."""
+def _validation_score(checkpoint: Checkpoint, method_type: str) -> float:
+    """Higher is better: the score of the job's method (app/jobs/methods/: the validation reward,
+    or minus the validation loss); -inf for a checkpoint without it."""
     flat = flatten_metrics(checkpoint.metrics or {})  # a trainer's step metrics nest the scores
-    for key, sign in (("valid_reward_mean", 1.0), ("scores.valid_reward_mean", 1.0), ("valid_loss", -1.0)):
+    for key, sign in METHODS[method_type].SCORE_KEYS:
         if key in flat:
             return sign * flat[key]
     return -math.inf
 
 
-def prune_checkpoints(session: Session, job_id: str) -> list[str]:
-    """Keep the 3 best checkpoints by validation reward (supervised: validation loss) plus the
-    latest; delete the other rows and return their paths, for the worker to delete the files."""
-    rows = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+def prune_checkpoints(session: Session, job: Job) -> list[str]:
+    """Keep the 3 best checkpoints by the method's score (validation reward, or validation loss)
+    plus the latest; delete the other rows and return their paths, for the worker to delete the files."""
+    rows = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id)))
     if not rows:
         return []
-    best = sorted(rows, key=lambda c: (_validation_score(c), c.step_number), reverse=True)[:KEPT_BEST_CHECKPOINTS]
+    method_type = job.method["type"]
+    best = sorted(rows, key=lambda c: (_validation_score(c, method_type), c.step_number),
+                  reverse=True)[:KEPT_BEST_CHECKPOINTS]
     kept = {c.seq for c in best} | {max(rows, key=lambda c: c.step_number).seq}
     dropped = sorted((c for c in rows if c.seq not in kept), key=lambda c: c.step_number)
     for checkpoint in dropped:
@@ -302,7 +305,7 @@ def push_checkpoint(*, session: Session, job_id: str, step: int, body: Checkpoin
     outbox.record_event(session, project_id=job.project_id, event_type=CHECKPOINT_CREATED, data={
         "id": job.id, "checkpoint_id": checkpoint.id, "step_number": step, "fine_tuned_model_checkpoint": name,
         "metrics": metrics})
-    delete_paths = prune_checkpoints(session, job_id)
+    delete_paths = prune_checkpoints(session, job)
     session.flush()
     return CheckpointResult(id=checkpoint.id, created=True, delete_paths=delete_paths)
 
