@@ -376,12 +376,13 @@ def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
     assert messages(api, job_id).count("Checkpoint created at step 5") == 1
 
 
-@pytest.mark.parametrize("metrics_of", [
-    lambda score: {"scores": {"valid_reward_mean": score}},  # a reinforcement trainer's step metrics
-    lambda score: {"valid_loss": 1 - score, "train_loss": 1.0},  # a supervised step's: lower loss is better
+@pytest.mark.parametrize("make_job,metrics_of", [
+    (queued_job, lambda score: {"scores": {"valid_reward_mean": score}}),  # a reinforcement trainer's step metrics
+    (queued_supervised_job, lambda score: {"valid_loss": 1 - score, "train_loss": 1.0}),  # supervised: lower is better
 ], ids=["reward", "loss"])
-def test_checkpoints_kept_are_the_best_by_validation_as_trainers_report_it(api, worker, metrics_of):
-    job_id = queued_job(api)
+def test_checkpoints_kept_are_the_best_by_validation_as_trainers_report_it(api, worker, make_job, metrics_of):
+    """Each method's checkpoints rank by its own score (app/jobs/methods/)."""
+    job_id = make_job(api)
     worker.claim(job_id)
     assert push_checkpoints(worker, job_id, metrics_of) == [f"/ckpt/{job_id}/step-1"]  # the worst; step 5 is latest
     listed = api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]

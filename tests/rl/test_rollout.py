@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import jsonschema
 import pytest
 
 from tests.rl.policies import ScriptedPolicy
@@ -238,6 +239,10 @@ def test_under_a_response_format_the_trainer_scores_the_distribution_the_sampler
 
         records = asyncio.run(go())
     assert all(len(r.allowed) == r.completion_tokens > 0 for r in records)
+    for record in records:  # random weights, held to the format: every answer that ended is JSON that fits
+        if record.finish_reason == "answered":
+            assert record.grader_sample()["output_json"] == json.loads(record.final_answer)
+            jsonschema.validate(json.loads(record.final_answer), answer_format["json_schema"]["schema"])
     sequences = [TrainSequence.from_record(r, 1.0) for r in records]
     collated = collate(sequences, 0, torch.device("cpu"))
     with torch.no_grad():

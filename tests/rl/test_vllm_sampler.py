@@ -140,31 +140,24 @@ ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "stric
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["engine", "vllm"])
 def test_a_json_answer_format_constrains_every_final_answer_while_tool_calls_stay_free(
-        backend, request, smollm2, tool_calling_adapter):  # noqa: ANN001
-    """A job's strict json_schema `response_format` in its rollouts, on the in-process engine and on
-    vLLM (one grammar): every answer is JSON that fits, which graders get as `output_json`; and where
-    a turn may call a tool, the call stays free: a policy trained to search still calls at every
-    turn. (The base model is asked without tools: with them listed it opens a call at once.)"""
+        vllm_server, smollm2, tool_calling_adapter):  # noqa: ANN001
+    """A job's strict json_schema `response_format` in its rollouts on vLLM, sent as the engine's own
+    grammar: every answer is JSON that fits, which graders get as `output_json`; and where a turn
+    may call a tool, the call stays free: a policy trained to search still calls at every turn.
+    (The base model is asked without tools: with them listed it opens a call at once. On the
+    engine: tests/rl/test_rollout.py, and the supervised-then-reinforcement job.)"""
     config = EngineConfig(max_tokens_per_turn=48, max_tokens_per_rollout=120, max_episode_steps=1, temperature=0.7,
                           response_format=ANSWER_FORMAT)
-    sampler = searcher = None
-    if backend == "vllm":
-        sampler = VLLMSampler([request.getfixturevalue("vllm_server")], model=VLLM_MODEL, config=config,
-                              adapter_prefix="json-answers")
-        asyncio.run(sampler.check())
-    else:
-        searcher = merged_policy(tool_calling_adapter)
+    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config, adapter_prefix="json-answers")
+    asyncio.run(sampler.check())
     try:
         with tool_server() as (url, recorder):
             answers, _ = rollouts(smollm2, sampler, url, 4, config, tools=False)  # the base model
-            if sampler is not None:
-                asyncio.run(sampler.publish_policy(1, tool_calling_adapter))
-            searches, _ = rollouts(smollm2, sampler, url, 2, config, model=searcher)
+            asyncio.run(sampler.publish_policy(1, tool_calling_adapter))
+            searches, _ = rollouts(smollm2, sampler, url, 2, config)
     finally:
-        if sampler is not None:
-            asyncio.run(sampler.release())
+        asyncio.run(sampler.release())
     answered = [r for r in answers if r.finish_reason == "answered"]
     assert len(answered) >= 3, [(r.finish_reason, r.messages[-1]) for r in answers]
     for record in answered:
