@@ -244,12 +244,13 @@ SOURCE_DIRS = ("app", "workers", "tests", "examples", "benchmarks", "scripts", "
 
 
 def test_no_doc_or_code_cites_an_issue_number():
-    assert all(ISSUE_NUMBER.search(text) for text in ("see Issue #42", "issues 3 and 4", "(issue 7)"))
+    # What the check refuses, put together here so that this file cites nothing itself.
+    citations = [f"see {word} {number}" for word, number in (("Issue", "#42"), ("issues", "3 and 4"), ("(issue", "7)"))]
+    assert all(ISSUE_NUMBER.search(text) for text in citations)
     assert not any(ISSUE_NUMBER.search(text) for text in ("an issue in 2026", "tissue 5", "issued 3 keys"))
     files = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
     for folder in SOURCE_DIRS:
-        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".sh", ".yaml", ".toml")
-                  and p != Path(__file__)]  # this file shows what the check refuses
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".sh", ".yaml", ".toml")]
     cited = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
              if ISSUE_NUMBER.search(line)]
     assert not cited, cited

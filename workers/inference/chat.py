@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.inference.served import ServedModel
-from workers.rl.constraints import Constraint, UnsupportedFormat, json_grammar
+from workers.rl.constraints import AnswerFormat, Constraint, UnsupportedFormat
 from workers.rl.sampler import GenerationOutput, GenerationRequest
 from workers.rl.toolcalls import ParsedTurn, ToolSchema, as_tool_schemas
 
@@ -67,31 +67,39 @@ def plan(request: dict[str, Any], model_name: str, served: ServedModel, *, defau
     stop_strings = tuple(formatter.parser.stop_strings if parse_tools else ()) + tuple(user_stops)
     seed = request.get("seed")
     base_seed = int(seed) if seed is not None else random.getrandbits(31)
-    grammar = _format_grammar(request.get("response_format"), formatter.parser if parse_tools else None, forced)
+    answer_format = _answer_format(request.get("response_format"), formatter, parse_tools=parse_tools, forced=forced)
     temperature, top_p = request.get("temperature"), request.get("top_p")
     generations = [
         GenerationRequest(context_ids=context_ids, max_new_tokens=budget, seed=_choice_seed(base_seed, index),
                           temperature=1.0 if temperature is None else float(temperature),
                           top_p=1.0 if top_p is None else float(top_p),
                           stop_token_ids=formatter.stop_token_ids(), stop_strings=stop_strings,
-                          constraint=Constraint(grammar, formatter.tokenizer) if grammar else None)
+                          constraint=_constraint(answer_format, tools=parse_tools))
         for index in range(request.get("n") or 1)
     ]
     return ChatPlan(request=request, model_name=model_name, tools=tools, parse_tools=parse_tools, forced_prefix=forced,
                     prompt_ids=prompt_ids, generations=generations, user_stops=user_stops)
 
 
-def _format_grammar(response_format: dict[str, Any] | None, parser: Any, forced: str) -> str | None:
-    """The grammar a JSON `response_format` constrains the answer to: None for text, and for a turn
-    forced to be a call; with tools the model may call (`parser`), a call stays free."""
-    if not response_format or response_format.get("type") == "text" or forced:
+def _answer_format(response_format: dict[str, Any] | None, formatter: Any, *, parse_tools: bool,
+                   forced: str) -> AnswerFormat | None:
+    """What a JSON `response_format` constrains the answer to: None for text, and for a turn forced to
+    be a call; with tools the model may call, a call stays free."""
+    if forced:
         return None
-    call_open = getattr(parser, "OPEN", None) if parser is not None else None
-    if parser is not None and call_open is None:
+    answer_format = AnswerFormat.of(response_format, formatter.tokenizer, formatter.parser)
+    if answer_format is not None and parse_tools and answer_format.call_open is None:
         raise BadChatRequest("A JSON response_format with tools is not supported for this model's tool-call format.",
                              code="unsupported_parameter", param="response_format")
+    return answer_format
+
+
+def _constraint(answer_format: AnswerFormat | None, *, tools: bool) -> Constraint | None:
+    """One choice's constraint (each keeps its own state)."""
+    if answer_format is None:
+        return None
     try:
-        return json_grammar(response_format, call_open=call_open)
+        return answer_format.constraint(tools=tools)
     except UnsupportedFormat as exc:
         raise BadChatRequest(f"Invalid response_format: {exc}.", param="response_format") from exc
 

@@ -123,19 +123,18 @@ class EngineBackend:
             admitted.append(self._take())
         return admitted
 
-    def _take(self) -> Pending:
-        pending = self.waiting.popleft()
+    def _take(self, pending: Pending | None = None) -> Pending:
+        """Move `pending` (by default the oldest) from the waiting requests to the generating ones."""
+        if pending is None:
+            pending = self.waiting.popleft()
+        else:
+            self.waiting.remove(pending)
         self.generating += 1
         self.rows += pending.rows()
         return pending
 
     def _take_all(self, key: tuple[str, str | None]) -> list[Pending]:
-        taken = [pending for pending in self.waiting if pending.model_key == key]
-        for pending in taken:
-            self.waiting.remove(pending)
-            self.generating += 1
-            self.rows += pending.rows()
-        return taken
+        return [self._take(pending) for pending in [p for p in self.waiting if p.model_key == key]]
 
     def _start(self, pending: Pending, served: PooledModel, session: SamplingSession) -> asyncio.Task[None]:
         return asyncio.create_task(self._answer(pending, served, session))

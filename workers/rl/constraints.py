@@ -47,6 +47,16 @@ def json_grammar(response_format: dict[str, Any], *, call_open: str | None = Non
     return grammar
 
 
+def unpacked(mask: np.ndarray, size: int) -> np.ndarray:
+    """A packed mask (a bit per token id, little-endian, as llguidance computes it) as `size`
+    booleans; ids past the packed bits are not allowed."""
+    bits = np.unpackbits(mask, bitorder="little").astype(bool)
+    allowed = np.zeros(size, dtype=bool)
+    n = min(size, bits.shape[0])
+    allowed[:n] = bits[:n]
+    return allowed
+
+
 @lru_cache(maxsize=8)
 def _ll_tokenizer(tokenizer: Any) -> Any:
     import llguidance.hf
@@ -73,12 +83,7 @@ class Constraint:
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         """A boolean mask over the model's `vocab_size` logits (tokens past the tokenizer's: never)."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(words, bitorder="little").astype(bool)
-        mask = np.zeros(vocab_size, dtype=bool)
-        n = min(vocab_size, bits.shape[0])
-        mask[:n] = bits[:n]
-        return mask
+        return unpacked(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), vocab_size)
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)
@@ -92,13 +97,12 @@ class Constraint:
 class AnswerFormat:
     """A reinforcement job's `response_format` in its rollouts: every turn is either a tool call,
     free after the parser's opening tag, or the final answer as JSON that fits the format. The
-    grammars (with tools to call, and without) are compiled once; each turn gets its own matcher."""
+    grammars (with tools to call, and without) are compiled once, when first used; each turn gets
+    its own matcher. Chat completions and the Responses API build their constraints with it too."""
 
     def __init__(self, response_format: dict[str, Any], tokenizer: Any, *, call_open: str | None) -> None:
-        self.tokenizer = tokenizer
-        self.grammars = {False: json_grammar(response_format)}
-        if call_open is not None:
-            self.grammars[True] = json_grammar(response_format, call_open=call_open)
+        self.response_format, self.tokenizer, self.call_open = response_format, tokenizer, call_open
+        self.grammars: dict[bool, str] = {}
 
     @classmethod
     def of(cls, response_format: dict[str, Any] | None, tokenizer: Any, parser: Any) -> AnswerFormat | None:
@@ -108,8 +112,12 @@ class AnswerFormat:
         return cls(response_format, tokenizer, call_open=getattr(parser, "OPEN", None))
 
     def constraint(self, *, tools: bool) -> Constraint:
-        """A new turn's constraint; `tools`: the rollout has tools it may call instead of answering."""
-        return Constraint(self.grammars[tools and True in self.grammars], self.tokenizer)
+        """A new turn's constraint; `tools`: the turn may call a tool instead of answering (where the
+        parser has an opening tag). UnsupportedFormat for a schema the engine cannot compile."""
+        calls = tools and self.call_open is not None
+        if calls not in self.grammars:
+            self.grammars[calls] = json_grammar(self.response_format, call_open=self.call_open if calls else None)
+        return Constraint(self.grammars[calls], self.tokenizer)
 
     def masks(self, token_ids: list[int], *, tools: bool) -> list[np.ndarray] | None:
         """The tokens the constraint allowed before each of a turn's sampled tokens, packed (a bit per

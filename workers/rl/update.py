@@ -22,6 +22,7 @@ from workers.rl.advantages import (
     k3_kl,
     sequence_normaliser,
 )
+from workers.rl.constraints import unpacked
 from workers.rl.grading import GradedRollout
 from workers.rl.models import adapters_in_model_dtype, fused_rms_norms, fused_rotary, release_freed_memory
 from workers.rl.rollout import RolloutRecord
@@ -257,10 +258,11 @@ def _allowed(sequences: list[TrainSequence], loss_mask: torch.Tensor, token_inde
               for row, column in zip(rows.tolist(), columns.tolist())]
     if all(mask is None for mask in packed):
         return {}
-    bits = np.ones((len(packed), max(m.size for m in packed if m is not None) * 8), dtype=bool)
+    width = max(m.size for m in packed if m is not None) * 8
+    bits = np.ones((len(packed), width), dtype=bool)
     for n, mask in enumerate(packed):
         if mask is not None:
-            bits[n, :mask.size * 8] = np.unpackbits(mask, bitorder="little").astype(bool)
+            bits[n] = unpacked(mask, width)
     constrained = torch.tensor([mask is not None for mask in packed], device=device)
     return {"allowed": torch.from_numpy(bits).to(device), "constrained": constrained}
 
