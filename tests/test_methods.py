@@ -20,9 +20,10 @@ def test_every_method_the_api_accepts_is_trained_by_a_worker_module():
         assert module.TYPE == method_type
         assert callable(module.stored_block) and callable(module.row_rule)
         assert module.SCORE_KEYS and all(sign in (1.0, -1.0) for _, sign in module.SCORE_KEYS)
-        assert callable(getattr(importlib.import_module(WORKER_METHODS[method_type]), "train", None))
+        worker = importlib.import_module(WORKER_METHODS[method_type])
+        assert callable(getattr(worker, "train", None)) and callable(getattr(worker, "follow", None))
 
 
 def test_a_method_no_worker_trains_is_a_clear_error():
-    with pytest.raises(ValueError, match="cannot train method.type 'dpo'"):
-        method_for("dpo")
+    with pytest.raises(ValueError, match="cannot train method.type 'ppo'"):
+        method_for("ppo")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -137,6 +139,58 @@ class JobRun:
 
         return await method_for(self.job.method.type).train(self)
 
+    @asynccontextmanager
+    async def training_processes(self, loaded: Any, training_mode: str, trainer_args: dict[str, Any],
+                                 hooks: ControlHooks, **follower_only: Any) -> AsyncIterator[Any]:
+        """The job's training processes (docs/scaling.md): yields their group, rank 0 being this
+        process, or None when the job trains in this process alone. Every other rank builds the
+        method's trainer from `trainer_args` (and `follower_only`); they are stopped on the way out."""
+        import torch
+
+        from workers.distributed.follower import FollowerJob, follow
+        from workers.distributed.group import Rendezvous
+        from workers.distributed.launch import TrainingProcesses, backend_for, free_port
+
+        n = await self._process_count(loaded, hooks)
+        if n == 1:
+            yield None
+            return
+        on_gpu = loaded.device.type == "cuda"
+        cores = torch.get_num_threads()
+        threads = None if on_gpu else max(1, len(os.sched_getaffinity(0)) // n)
+        job = self.job
+        follower = FollowerJob(job.method.type, job.model, job.start_from, method_block_of(job).x_open_model.dtype,
+                               training_mode, threads, {**trainer_args, **follower_only})
+        rendezvous = Rendezvous(free_port(), n, self.settings.training_rank_timeout_s, backend_for(loaded.device.type))
+        processes = TrainingProcesses(rendezvous, follow, follower, self.work_dir)
+        try:
+            if threads:
+                torch.set_num_threads(threads)  # this process is rank 0: its share of the cores
+            await asyncio.to_thread(processes.join_group)
+            await hooks.on_event("info", f"Training on {n} processes ({rendezvous.backend}); rank 0 reports, each "
+                                         "rank trains a share of every step.",
+                                 {"training_processes": n, "backend": rendezvous.backend})
+            yield processes.group
+        finally:
+            await asyncio.to_thread(processes.stop)
+            torch.set_num_threads(cores)
+
+    async def _process_count(self, loaded: Any, hooks: ControlHooks) -> int:
+        """The job's `x_open_model.training_processes`, within the worker's limit and its GPUs."""
+        import torch
+
+        limit = self.settings.training_processes
+        asked = method_block_of(self.job).x_open_model.training_processes or limit
+        on_gpu = loaded.device.type == "cuda"
+        gpus = torch.cuda.device_count() if on_gpu else None
+        n = min(asked, limit, gpus or limit)
+        if n < asked:
+            await hooks.on_event("warn", f"The job asks for {asked} training processes; this worker runs at most "
+                                         f"{n} (AGENT_RFT_TRAINING_PROCESSES={limit}"
+                                         f"{f', {gpus} GPUs' if on_gpu else ''}).",
+                                 {"asked": asked, "training_processes": n})
+        return n
+
     async def load_start(self, dtype: str, training_mode: str, hooks: ControlHooks) -> Any:
         """The weights training starts from: the base model, or the fine-tuned model the job names."""
         from workers.rl.models import load_start
@@ -148,6 +202,11 @@ class JobRun:
                                  {"start_from": start.model_dump()})
         return loaded
 
+
+
+def method_block_of(job: Any) -> Any:
+    """The claimed job's method block (`job.method.reinforcement`, `.supervised`, `.dpo`)."""
+    return getattr(job.method, job.method.type)
 
 
 class ControlHooks:

@@ -119,6 +119,33 @@ CHARTS: tuple[Chart, ...] = (
     Chart("sft-step-time", "Time per step", "seconds", (
         Series("step", key="timing.step_s"),
     ), method="supervised"),
+    # DPO jobs: OpenAI's losses and the preference scores at the top level, then `train` and `timing`.
+    Chart("dpo-loss", "DPO loss", "loss per pair", (
+        Series("training", key="train_loss"),
+        Series("validation", key="valid_loss", markers=True),
+        Series("full validation", key="full_valid_loss", markers=True),
+    ), method="dpo", help="-log sigmoid of beta times how much more the policy prefers the preferred answer than "
+                          "the reference model does; log 2 (0.69) at the start."),
+    Chart("dpo-accuracy", "Preference accuracy", "share of pairs", (
+        Series("training", key="train_preference_accuracy"),
+        Series("validation", key="valid_preference_accuracy", markers=True),
+        Series("full validation", key="full_valid_preference_accuracy", markers=True),
+    ), percent=True, method="dpo", help="Share of pairs whose implicit reward, beta × (log π − log π_ref), is "
+                                        "higher for the preferred answer."),
+    Chart("dpo-margin", "Reward margin", "beta × log-ratio", (
+        Series("training", key="train_reward_margin"),
+        Series("validation", key="valid_reward_margin", markers=True),
+    ), method="dpo", help="Mean implicit reward of the preferred answer minus the non-preferred one's."),
+    Chart("dpo-logprob-margin", "Log-prob margin", "log π(preferred) − log π(non-preferred)", (
+        Series("training", key="train_logprob_margin"),
+        Series("validation", key="valid_logprob_margin", markers=True),
+    ), method="dpo", help="The policy's own preference, in summed log-probs of the two answers."),
+    Chart("dpo-grad-norm", "Gradient norm", "norm before clipping", (
+        Series("grad norm", key="train.grad_norm"),
+    ), method="dpo"),
+    Chart("dpo-step-time", "Time per step", "seconds", (
+        Series("step", key="timing.step_s"),
+    ), method="dpo"),
 )
 
 

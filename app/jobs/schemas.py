@@ -55,6 +55,13 @@ class SupervisedHyperparameters(Hyperparameters):
     """`method.supervised.hyperparameters`: OpenAI's three, no more."""
 
 
+class DpoHyperparameters(Hyperparameters):
+    """`method.dpo.hyperparameters`: OpenAI's three and `beta`, the weight of the penalty for moving
+    away from the reference model (OpenAI accepts (0, 2])."""
+
+    beta: auto_or(float, 0, 2, low_open=True) = "auto"
+
+
 class ReinforcementHyperparameters(Hyperparameters):
     compute_multiplier: auto_or(float, 0, 10, low_open=True) = "auto"
     eval_interval: auto_or(int, 1, 10000) = "auto"
@@ -136,6 +143,11 @@ class ModelOptions(BaseModel):
                             "CPU. bfloat16 on a CPU with native support (AVX512-BF16, AMX) is about 1.5x faster; "
                             "LoRA adapters and the optimizer stay in float32.")
 
+    training_processes: int | None = Field(
+        None, ge=1, le=64, description="Data-parallel training processes for this job, at most the worker's "
+                                       "AGENT_RFT_TRAINING_PROCESSES (a larger number is lowered to it, with a "
+                                       "warning event). Default: the worker's setting (docs/scaling.md).")
+
 
 class OpenModelOptions(ModelOptions):
     """`method.reinforcement.x_open_model`: the shared options plus the rollouts' and the loss's."""
@@ -164,11 +176,6 @@ class OpenModelOptions(ModelOptions):
         "auto", description="What samples the rollouts: the worker's in-process engine, or the deployment's vLLM "
                             "servers (AGENT_RFT_VLLM_URLS; LoRA only). auto: vLLM where the worker has servers and "
                             "training_mode is lora, else the engine (docs/vllm.md).")
-
-    training_processes: int | None = Field(
-        None, ge=1, le=64, description="Data-parallel training processes for this job, at most the worker's "
-                                       "AGENT_RFT_TRAINING_PROCESSES (a larger number is lowered to it, with a "
-                                       "warning event). Default: the worker's setting (docs/scaling.md).")
 
     @model_validator(mode="after")
     def _vllm_samples_lora_only(self) -> "OpenModelOptions":
@@ -222,15 +229,24 @@ class SupervisedMethod(BaseModel):
     x_open_model: SupervisedModelOptions = Field(default_factory=SupervisedModelOptions)
 
 
+class DpoMethod(BaseModel):
+    """`method.dpo`: preference pairs (docs/dpo.md); the open-model options are a supervised job's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    x_open_model: SupervisedModelOptions = Field(default_factory=SupervisedModelOptions)
+
+
 class Method(BaseModel):
     type: Literal["reinforcement", "supervised", "dpo"]
     reinforcement: ReinforcementMethod | None = None
     supervised: SupervisedMethod | None = None
-    dpo: dict[str, Any] | None = None
+    dpo: DpoMethod | None = None
 
 
 def method_block(method: dict[str, Any]) -> dict[str, Any]:
-    """The block of a stored method that its type names: `method.reinforcement` or `method.supervised`."""
+    """The block of a stored method that its type names: `method.reinforcement`, `.supervised` or `.dpo`."""
     return method.get(method.get("type") or "") or {}
 
 

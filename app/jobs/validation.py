@@ -186,6 +186,55 @@ def check_supervised_row(row: Any) -> None:
         raise RowProblem("invalid_row", "'parallel_tool_calls' must be true or false")
 
 
+# A preference row's two answers, by OpenAI's current names and the older ones it still accepts.
+PREFERENCE_FIELDS = (("preferred_output", "preferred_completion"), ("non_preferred_output", "non_preferred_completion"))
+
+
+def check_preference_row(row: Any) -> None:
+    """A preference row, in OpenAI's DPO format: `input` (`messages`, optional `tools` and
+    `parallel_tool_calls`), then one assistant message preferred and one not (`preferred_output`
+    and `non_preferred_output`, or the older `*_completion` names), which may call tools."""
+    if not isinstance(row, dict):
+        raise RowProblem("invalid_row", "each line must be a JSON object")
+    source = row.get("input")
+    if not isinstance(source, dict):
+        raise RowProblem("missing_input", "the row has no 'input' object ({'messages': [...]})")
+    _renamed(("messages", "input.messages"), check_messages, source.get("messages"), last_must_be_user=False)
+    if source["messages"][-1]["role"] == "assistant":
+        raise RowProblem("invalid_input", "input.messages must end with the turn to answer (user or tool), "
+                                          "not an assistant message")
+    if "tools" in source:
+        _renamed(("tools", "input.tools"), check_tools, source["tools"], None)
+    if "parallel_tool_calls" in source and not isinstance(source["parallel_tool_calls"], bool):
+        raise RowProblem("invalid_row", "'input.parallel_tool_calls' must be true or false")
+    answers = [_preference_answer(row, names) for names in PREFERENCE_FIELDS]
+    if answers[0] == answers[1]:
+        raise RowProblem("identical_outputs", "the preferred and non-preferred outputs are the same: "
+                                              "the pair teaches nothing")
+
+
+def _preference_answer(row: dict[str, Any], names: tuple[str, str]) -> dict[str, Any]:
+    name = next((n for n in names if n in row), None)
+    if name is None:
+        raise RowProblem("missing_output", f"the row has no '{names[0]}'")
+    answer = row[name]
+    if not isinstance(answer, list) or len(answer) != 1:
+        raise RowProblem("invalid_output", f"'{name}' must be a list of exactly one assistant message")
+    _renamed(("messages", name), check_messages, answer, last_must_be_user=False)
+    if answer[0]["role"] != "assistant":
+        raise RowProblem("invalid_output", f"{name}[0].role must be 'assistant'")
+    return answer[0]
+
+
+def _renamed(words: tuple[str, str], check: Callable[..., None], value: Any, *args: Any, **kwargs: Any) -> None:
+    """`check`, its problem worded for where the value sits in a preference row: `words` (old, new)
+    renames the first mention, e.g. `messages[0]` to `input.messages[0]`."""
+    try:
+        check(value, *args, **kwargs)
+    except RowProblem as problem:
+        raise RowProblem(problem.code, problem.message.replace(*words, 1)) from None
+
+
 RowRule = Callable[[Any], None]
 
 

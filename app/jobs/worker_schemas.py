@@ -11,10 +11,8 @@ from app.jobs.schemas import Integration, Method, Split
 
 
 class ClaimedMethod(Method):
-    """A claimed run's method, as stored: `reinforcement` (jobs and diagnostics) or `supervised`
-    (jobs), with every default filled in; the block its type names is always there."""
-
-    type: Literal["reinforcement", "supervised"]
+    """A claimed run's method, as stored: `reinforcement` (jobs and diagnostics), `supervised` or
+    `dpo` (jobs), with every default filled in; the block its type names is always there."""
 
     @model_validator(mode="after")
     def _has_its_block(self) -> ClaimedMethod:

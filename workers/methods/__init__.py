@@ -14,6 +14,7 @@ from types import ModuleType
 METHODS = {
     "reinforcement": "workers.methods.reinforcement",
     "supervised": "workers.methods.supervised",
+    "dpo": "workers.methods.dpo",
 }
 
 

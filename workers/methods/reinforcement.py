@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,6 @@ if TYPE_CHECKING:
 
 
 async def train(run: JobRun) -> Any:
-    import torch
-
     from app.graders.service import grader_context
     from workers.rl.hyperparameters import resolve_hyperparameters
     from workers.rl.tools_client import ToolClient
@@ -48,65 +45,38 @@ async def train(run: JobRun) -> Any:
     sampler = await sampler_for(run, config, hooks)
     if isinstance(sampler, TrainingOutcome):
         return sampler
-    threads = torch.get_num_threads()  # rank 0 of several processes takes its share of the cores
-    processes = None
+    args = _trainer_args(run, config, train_rows, valid_rows)
     try:
-        async with ToolClient(reinforcement.tools, allowlist=run.settings.outbound_allowlist) as tools:
-            processes = await training_processes(run, config, loaded, train_rows, valid_rows, hooks)
-            trainer = Trainer(
-                loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
-                grader=reinforcement.grader, grader_ctx=grader_context(run.settings), tool_client=tools,
-                job_tools=reinforcement.tools, work_dir=run.work_dir, hooks=hooks,
-                resume_state=Path(job.resume_state) if job.resume_state else None, sampler=sampler,
-                group=processes.group if processes else None,
-            )
+        async with ToolClient(reinforcement.tools, allowlist=run.settings.outbound_allowlist) as tools, \
+                run.training_processes(loaded, config.training_mode, args, hooks,
+                                       allowlist=run.settings.outbound_allowlist) as group:
+            trainer = Trainer(loaded=loaded, grader_ctx=grader_context(run.settings), tool_client=tools, hooks=hooks,
+                              sampler=sampler, group=group, **args)
             return await trainer.run()
     finally:
-        if processes is not None:
-            await asyncio.to_thread(processes.stop)
-        torch.set_num_threads(threads)
         if sampler is not None:
             await sampler.release()
 
-async def training_processes(run: JobRun, config: Any, loaded: Any, train_rows: list[dict[str, Any]],
-                              valid_rows: list[dict[str, Any]], hooks: ControlHooks) -> Any:
-    """The job's other training processes, started and joined (docs/scaling.md); None when it
-    trains in this process alone."""
-    import torch
 
-    from workers.distributed.group import Rendezvous
-    from workers.distributed.launch import TrainingProcesses, backend_for, free_port
-    from workers.rl.follower import FollowerJob, follow
+def _trainer_args(run: JobRun, config: Any, train_rows: list[dict[str, Any]],
+                  valid_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trainer's arguments every training process builds it with."""
+    reinforcement = run.job.method.reinforcement
+    return {"config": config, "train_rows": train_rows, "valid_rows": valid_rows, "grader": reinforcement.grader,
+            "job_tools": reinforcement.tools, "work_dir": run.work_dir,
+            "resume_state": Path(run.job.resume_state) if run.job.resume_state else None}
 
-    reinforcement, limit = run.job.method.reinforcement, run.settings.training_processes
-    asked = reinforcement.x_open_model.training_processes or limit
-    on_gpu = loaded.device.type == "cuda"
-    gpus = torch.cuda.device_count() if on_gpu else None
-    n = min(asked, limit, gpus or limit)
-    if n < asked:
-        await hooks.on_event("warn", f"The job asks for {asked} training processes; this worker runs at most "
-                                     f"{n} (AGENT_RFT_TRAINING_PROCESSES={limit}"
-                                     f"{f', {gpus} GPUs' if on_gpu else ''}).",
-                             {"asked": asked, "training_processes": n})
-    if n == 1:
-        return None
-    threads = None if on_gpu else max(1, len(os.sched_getaffinity(0)) // n)
-    if threads:
-        torch.set_num_threads(threads)  # this process is rank 0: its share of the cores
-    follower = FollowerJob(run.job.model, run.job.start_from, reinforcement.x_open_model.dtype, threads, config,
-                           train_rows, valid_rows, reinforcement.grader, reinforcement.tools,
-                           run.settings.outbound_allowlist, str(run.work_dir), run.job.resume_state)
-    rendezvous = Rendezvous(free_port(), n, run.settings.training_rank_timeout_s, backend_for(loaded.device.type))
-    processes = TrainingProcesses(rendezvous, follow, follower, run.work_dir)
-    try:
-        await asyncio.to_thread(processes.join_group)
-    except BaseException:
-        await asyncio.to_thread(processes.stop)
-        raise
-    await hooks.on_event("info", f"Training on {n} processes ({rendezvous.backend}); rank 0 reports, each rank "
-                                 "samples and trains a share of every step.",
-                         {"training_processes": n, "backend": rendezvous.backend})
-    return processes
+
+async def follow(group: Any, loaded: Any, args: dict[str, Any]) -> None:
+    """A follower's trainer (workers/distributed/follower.py): rank 0's, sampling with the job's
+    tools; no grader (rank 0 grades)."""
+    from workers.distributed.follower import serve
+    from workers.rl.tools_client import ToolClient
+    from workers.rl.trainer import Trainer
+
+    allowlist = args.pop("allowlist")
+    async with ToolClient(args["job_tools"], allowlist=allowlist) as tools:
+        await serve(group, Trainer(loaded=loaded, grader_ctx=None, tool_client=tools, hooks=None, group=group, **args))
 
 async def sampler_for(run: JobRun, config: Any, hooks: ControlHooks) -> Any:
     """The vLLM fleet where the job asks for it (x_open_model.sampler) or "auto" finds one for a

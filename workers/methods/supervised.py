@@ -23,7 +23,15 @@ async def train(run: JobRun) -> Any:
     await hooks.on_event("info", f"Training {job.model} on {len(train_rows)} rows (supervised); "
                                  f"hyperparameters: {json.dumps(resolved, sort_keys=True)}", {"hyperparameters": resolved})
     loaded = await run.load_start(supervised.x_open_model.dtype, config.training_mode, hooks)
-    trainer = SupervisedTrainer(loaded=loaded, config=config, train_rows=train_rows, valid_rows=valid_rows,
-                                work_dir=run.work_dir, hooks=hooks,
-                                resume_state=Path(job.resume_state) if job.resume_state else None)
-    return await trainer.run()
+    args = {"config": config, "train_rows": train_rows, "valid_rows": valid_rows, "work_dir": run.work_dir,
+            "resume_state": Path(job.resume_state) if job.resume_state else None}
+    async with run.training_processes(loaded, config.training_mode, args, hooks) as group:
+        return await SupervisedTrainer(loaded=loaded, hooks=hooks, group=group, **args).run()
+
+
+async def follow(group: Any, loaded: Any, args: dict[str, Any]) -> None:
+    """A follower's trainer (workers/distributed/follower.py)."""
+    from workers.distributed.follower import serve
+    from workers.sft.trainer import SupervisedTrainer
+
+    await serve(group, SupervisedTrainer(loaded=loaded, hooks=None, group=group, **args))

@@ -37,7 +37,7 @@ from workers.rl.prompting import ChatFormatter
 from workers.rl.rollout import RolloutEngine
 from workers.rl.sampler import Sampler
 from workers.rl.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
-from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
+from workers.rl.training_run import StepFailure, StepResult, TrainingHooks, TrainingRun
 from workers.rl.update import (
     Collated,
     LossSettings,
@@ -126,7 +126,7 @@ class Trainer(TrainingRun):
 
     # -- one step --------------------------------------------------------------------------------
 
-    async def _train_step(self, step: int) -> None:
+    async def _train_step(self, step: int) -> StepResult:
         c, clock = self.config, StepClock()
         rows, next_position = take_batch(self.progress.position, len(self.train_prompts), c.seed, c.batch_size)
         specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
@@ -144,7 +144,8 @@ class Trainer(TrainingRun):
         sampled_with = self.engine.sampler.policy_version
         await self._publish_policy(step)
         clock.lap("training")
-        valid = await self._evaluate() if step % c.eval_interval == 0 or step == self.total_steps else None
+        evaluated = self._evaluates_at(step)
+        valid = await self._evaluate() if evaluated else None
         clock.lap("eval")
         metrics = step_metrics(step=step, total_steps=self.total_steps, graded=graded, stats=stats,
                                n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=len(rows),
@@ -153,16 +154,10 @@ class Trainer(TrainingRun):
         metrics["train"]["policy_version"] = sampled_with
         await self._warn_about_exclusions(step, graded)
         await self._report_failovers(step)
-        await self.hooks.on_step(step, metrics, [g.report() for g in graded])
-        if valid is not None:
-            await self.hooks.on_eval(step, valid["reward_mean"], valid["records"])
-            await self._checkpoint(step, metrics)
-        # The step counts once it is reported; the saved state then makes it survive a crash.
-        self.progress.step = step
-        self.progress.trained_tokens += stats.sampled_tokens
-        self.progress.position = next_position
-        if step % c.state_interval == 0 or step == self.total_steps:
-            await self._save_state()
+        return StepResult(metrics, stats.sampled_tokens, next_position, evaluated,
+                          train_records=[g.report() for g in graded],
+                          valid_records=valid["records"] if valid else None,
+                          valid_reward_mean=valid["reward_mean"] if valid else None)
 
     def _check_failure_rates(self, step: int, graded: list[GradedRollout]) -> None:
         """Raise StepFailure when the step's tool-failure or grader-failure rate is over its limit."""

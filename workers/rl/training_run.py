@@ -1,8 +1,9 @@
 """One training run's lifecycle, whatever the method: the step loop with its pause and cancel
 decisions, outcomes and failures, checkpoints, the final checkpoint and the resumable state.
-A method (reinforcement: workers/rl/trainer.py; supervised: workers/sft/trainer.py) subclasses
-`TrainingRun` and supplies its setup (model, optimizer, data; the progress, restored on resume)
-and its step (`_train_step`), which reports to `hooks` and advances `progress`."""
+A method (reinforcement: workers/rl/trainer.py; supervised: workers/sft/trainer.py; preference:
+workers/dpo/trainer.py) subclasses `TrainingRun` and supplies its setup (model, optimizer, data; the
+progress, restored on resume) and its step (`_train_step`), which returns a `StepResult`: the
+lifecycle reports it, checkpoints an evaluated step, advances the progress and saves the state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +49,19 @@ class TrainingOutcome:
     trained_tokens: int
     error: dict | None  # {"code", "message", "param"} when failed
     final_checkpoint: Path | None
+
+
+@dataclass
+class StepResult:
+    """What one step of a method did, for the lifecycle to report and count."""
+
+    metrics: dict[str, Any]  # the step's metrics event (OpenAI's names where it has them)
+    trained_tokens: int
+    next_position: int  # where the seeded data stream continues
+    evaluated: bool  # an eval step: its metrics hold the validation scores, and it is checkpointed
+    train_records: list[dict] = field(default_factory=list)  # rollouts of a reinforcement step
+    valid_records: list[dict] | None = None  # the eval's rollouts, where it sampled any
+    valid_reward_mean: float | None = None
 
 
 class RunInterrupted(Exception):
@@ -91,8 +105,12 @@ class TrainingRun:
     async def _announce_start(self) -> None:
         raise NotImplementedError
 
-    async def _train_step(self, step: int) -> None:
+    async def _train_step(self, step: int) -> StepResult:
         raise NotImplementedError
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Every `eval_interval` steps and at the last: validation scores and a checkpoint."""
+        return step % self.config.eval_interval == 0 or step == self.total_steps
 
     def _build_trainable(self) -> None:
         """The module to train (LoRA's initial weights drawn from the run's seed), its optimizer and
@@ -163,12 +181,27 @@ class TrainingRun:
                 return self._outcome("paused")
             if decision != "continue":
                 raise ValueError(f"hooks.control() returned {decision!r}; expected 'continue', 'pause' or 'cancel'")
-            with spans.step_span(self.progress.step + 1, self.total_steps):
-                await self._train_step(self.progress.step + 1)
+            step = self.progress.step + 1
+            with spans.step_span(step, self.total_steps):
+                await self._count(step, await self._train_step(step))
         final = await self._final_checkpoint()
         await self._event("info", f"Training finished: {self.total_steps} steps, {self.progress.trained_tokens} "
                           f"trained tokens; final checkpoint {final.name}.")
         return self._outcome("succeeded", final_checkpoint=final)
+
+    async def _count(self, step: int, result: StepResult) -> None:
+        """Report the step, checkpoint it when it evaluated, then count it: a step counts once it is
+        reported, and the saved state makes it survive a crash."""
+        await self.hooks.on_step(step, result.metrics, result.train_records)
+        if result.evaluated:
+            if result.valid_records is not None:
+                await self.hooks.on_eval(step, result.valid_reward_mean, result.valid_records)
+            await self._checkpoint(step, result.metrics)
+        self.progress.step = step
+        self.progress.trained_tokens += result.trained_tokens
+        self.progress.position = result.next_position
+        if step % self.config.state_interval == 0 or step == self.total_steps:
+            await self._save_state()
 
     def _outcome(self, status: str, *, error: dict | None = None,
                  final_checkpoint: Path | None = None) -> TrainingOutcome:

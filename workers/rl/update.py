@@ -151,7 +151,7 @@ def _chunks(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool,
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
     for sequence in sorted(sequences, key=lambda s: len(s.token_ids)) if by_length else sequences:
-        if current and _padded_cost([*current, sequence], shared=shared) > max_tokens:
+        if current and padded_cost([*current, sequence], shared=shared) > max_tokens:
             batches.append(current)
             current = []
         current.append(sequence)
@@ -194,7 +194,7 @@ def feedable_prefix(sequences: list[TrainSequence]) -> int:
 SHARE_WHEN_SPARED = 0.4
 
 
-def _padded_cost(group: list[TrainSequence], *, shared: bool) -> int:
+def padded_cost(group: list[TrainSequence], *, shared: bool) -> int:
     prefix = feedable_prefix(group) if shared else 0
     return prefix + len(group) * (max(len(s.token_ids) for s in group) - prefix)
 

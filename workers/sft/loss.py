@@ -4,6 +4,7 @@ loss and token accuracy without gradients, for validation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,15 @@ class TokenScores:
     tokens: int = 0  # learned tokens
     grad_norm: float | None = None
 
+    @classmethod
+    def merged(cls, shares: Sequence[TokenScores]) -> TokenScores:
+        """One data-parallel step's scores from each process's (each a share of the step's means)."""
+        scored = [s for s in shares if s.tokens]
+        if not scored:
+            return TokenScores(grad_norm=shares[0].grad_norm)
+        return TokenScores(sum(s.loss for s in scored), sum(s.accuracy for s in scored), sum(s.tokens for s in scored),
+                           shares[0].grad_norm)
+
 
 def learned_tokens(sequences: list[TrainSequence]) -> int:
     """Tokens with loss (a row's first token is never predicted)."""
@@ -26,9 +36,12 @@ def learned_tokens(sequences: list[TrainSequence]) -> int:
 
 
 def supervised_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence], *,
-                      pad_token_id: int, micro_batch_tokens: int, max_grad_norm: float) -> TokenScores:
-    """One optimizer step over `sequences` (blocking); the scores are those of the weights before it."""
-    total = learned_tokens(sequences)
+                      pad_token_id: int, micro_batch_tokens: int, max_grad_norm: float, step_tokens: int | None = None,
+                      sync_gradients: Callable[[list[torch.nn.Parameter]], None] | None = None) -> TokenScores:
+    """One optimizer step over `sequences` (blocking); the scores are those of the weights before it.
+    Data-parallel: `sequences` is this process's share of a step of `step_tokens` learned tokens (the
+    loss's denominator), and `sync_gradients` sums the gradients over the processes before the step."""
+    total = learned_tokens(sequences) if step_tokens is None else step_tokens
     if not total:
         return TokenScores()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -40,11 +53,13 @@ def supervised_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         (losses.sum() / total).backward()
         nll += float(losses.detach().sum())
         correct += float((logits.detach().argmax(dim=-1) == targets).sum())
+    if sync_gradients is not None:
+        sync_gradients(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
-    return TokenScores(nll / total, correct / total, total, float(grad_norm))
+    return TokenScores(nll / total, correct / total, learned_tokens(sequences), float(grad_norm))
 
 
 @torch.no_grad()

@@ -20,18 +20,20 @@ from workers.rl.data import fixed_subset, take_batch
 from workers.rl.hyperparameters import total_steps_for
 from workers.rl.models import LoadedModel
 from workers.rl.prompting import ChatFormatter
-from workers.rl.training_run import StepFailure, TrainingHooks, TrainingRun
+from workers.rl.training_run import StepFailure, StepResult, TrainingHooks, TrainingRun
 from workers.rl.update import TrainSequence
 from workers.sft.data import BadExample, examples_from_rows
 from workers.sft.hyperparameters import SupervisedConfig
-from workers.sft.loss import TokenScores, score, supervised_update
+from workers.distributed.group import TrainingGroup, shares
+from workers.sft.loss import TokenScores, learned_tokens, score, supervised_update
 
 
 class SupervisedTrainer(TrainingRun):
     def __init__(self, *, loaded: LoadedModel, config: SupervisedConfig, train_rows: list[dict],
-                 valid_rows: list[dict], work_dir: Path, hooks: TrainingHooks, resume_state: Path | None = None) -> None:
+                 valid_rows: list[dict], work_dir: Path, hooks: TrainingHooks | None,
+                 resume_state: Path | None = None, group: TrainingGroup | None = None) -> None:
         super().__init__(loaded=loaded, config=config, work_dir=work_dir, hooks=hooks, resume_state=resume_state,
-                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs))
+                         total_steps=total_steps_for(len(train_rows), config.batch_size, config.n_epochs), group=group)
         self.train_rows, self.valid_rows = train_rows, valid_rows
 
     # -- setup -----------------------------------------------------------------------------------
@@ -70,28 +72,35 @@ class SupervisedTrainer(TrainingRun):
 
     # -- one step --------------------------------------------------------------------------------
 
-    async def _train_step(self, step: int) -> None:
+    async def _train_step(self, step: int) -> StepResult:
         c, started = self.config, time.perf_counter()
         rows, next_position = take_batch(self.progress.position, len(self.train.sequences), c.seed, c.batch_size)
         batch = [self.train.sequences[row] for row in rows]
-        trained = await asyncio.to_thread(supervised_update, self.model, self.optimizer, batch,
-                                          pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
-                                          max_grad_norm=c.max_grad_norm)
-        evaluating = step % c.eval_interval == 0 or step == self.total_steps
-        valid = await self._score(self.valid_subset) if evaluating and self.valid_subset else None
+        trained = await asyncio.to_thread(self._update, batch)
+        evaluated = self._evaluates_at(step)
+        valid = await self._score(self.valid_subset) if evaluated and self.valid_subset else None
         full_valid = await self._score(self.valid.sequences) if step == self.total_steps and self.valid.sequences \
             else None
         metrics = _step_metrics(step, self.total_steps, trained, valid, full_valid,
                                 learning_rate=self.optimizer.param_groups[0]["lr"],
                                 step_s=time.perf_counter() - started)
-        await self.hooks.on_step(step, metrics, [])
-        if evaluating:
-            await self._checkpoint(step, metrics)
-        self.progress.step = step
-        self.progress.trained_tokens += sum(len(s.token_ids) for s in batch)
-        self.progress.position = next_position
-        if step % c.state_interval == 0 or step == self.total_steps:
-            await self._save_state()
+        return StepResult(metrics, sum(len(s.token_ids) for s in batch), next_position, evaluated)
+
+    def _update(self, sequences: list[TrainSequence]) -> TokenScores:
+        """One optimizer step over the rows (blocking); with several training processes each takes
+        a share of about equal tokens and their gradients are summed."""
+        parts = shares(sequences, self.group.world_size, weight=lambda s: len(s.token_ids))
+        self.group.command("update_share", parts, learned_tokens(sequences))
+        return self.update_share(parts, learned_tokens(sequences))
+
+    def update_share(self, parts: list[list[TrainSequence]], step_tokens: int) -> TokenScores:
+        """This process's part of the step (every rank runs it); the step's scores on rank 0."""
+        c = self.config
+        scores = supervised_update(self.model, self.optimizer, parts[self.group.rank], pad_token_id=self.pad_token_id,
+                                   micro_batch_tokens=c.micro_batch_tokens, max_grad_norm=c.max_grad_norm,
+                                   step_tokens=step_tokens, sync_gradients=self.group.all_reduce_gradients)
+        gathered = self.group.gather(scores)
+        return TokenScores.merged(gathered) if gathered else scores
 
     async def _score(self, sequences: list[TrainSequence]) -> TokenScores:
         return await asyncio.to_thread(score, self.model, sequences, pad_token_id=self.pad_token_id,

@@ -16,6 +16,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from app.jobs.methods import reinforcement, supervised
+from app.jobs.methods import dpo, reinforcement, supervised
 
-METHODS: dict[str, ModuleType] = {module.TYPE: module for module in (reinforcement, supervised)}
+METHODS: dict[str, ModuleType] = {module.TYPE: module for module in (reinforcement, supervised, dpo)}

@@ -1,0 +1,1 @@
+"""Direct preference optimization (`method.type = "dpo"`, docs/dpo.md)."""
