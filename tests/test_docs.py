@@ -229,7 +229,8 @@ def _listed(section: str, until: str | None = None) -> set[str]:
     ("## `x_open_model`", "## Structured outputs", "OpenModelOptions"),
     ("## Hyperparameters", "## Supervised jobs", "ReinforcementHyperparameters"),
     ("`method.supervised.hyperparameters`:", "`method.supervised.x_open_model`:", "SupervisedHyperparameters"),
-    ("`method.supervised.x_open_model`:", None, "SupervisedModelOptions"),
+    ("`method.supervised.x_open_model`:", "## DPO jobs", "SupervisedModelOptions"),
+    ("`method.dpo.hyperparameters`:", None, "DpoHyperparameters"),
 ])
 def test_configuration_lists_every_option_of_every_method(section, until, model):
     from app.jobs import schemas

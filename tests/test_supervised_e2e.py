@@ -2,7 +2,8 @@
 trains SmolLM2-135M-Instruct (LoRA) on chat rows with tool calls, its validation loss falls, its
 metrics read as OpenAI's, and the fine-tuned model answers chat completions; then a reinforcement
 job starts from that fine-tuned model (its adapter trained on), where the base model would never
-call a tool."""
+call a tool, and a DPO job learns from it to answer once a result holds the figure rather than
+search again."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from app.core.config import Settings
+from examples.financial_reports.traces import preference_pairs
 from tests.conftest import agent_rft_inference, jsonl, live_server, make_project, wait_for
 from tests.rl.tool_server import tool_server
 from tests.test_training_e2e import celery_worker, training_settings  # noqa: F401 - the fixture
@@ -65,10 +67,12 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
                                                  temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2],
                                                  tool_choice={"type": "function", "function": {"name": "search"}})
             rl_job, rl_events, rollouts = reinforce_from(sdk, done.fine_tuned_model, log)
+            dpo_job, dpo_metrics, dpo_answer = prefer_from(sdk, done.fine_tuned_model, log)
             other = make_project(training_settings)
             with openai.OpenAI(base_url=f"{base}/v1", api_key=other["key"], max_retries=0) as outsider:
-                with pytest.raises(openai.NotFoundError):  # another project's fine-tuned model: as unknown
-                    outsider.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=train)
+                for model in (done.fine_tuned_model, dpo_job.fine_tuned_model):  # another project's: as unknown
+                    with pytest.raises(openai.NotFoundError):
+                        outsider.fine_tuning.jobs.create(model=model, training_file=train)
     assert done.method.type == "supervised" and done.hyperparameters.batch_size == 4
     assert done.hyperparameters.learning_rate_multiplier == 1.0  # "auto", resolved
     metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
@@ -99,12 +103,51 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
         value = json.loads(rollout["data"]["final_answer"])
         jsonschema.validate(value, ANSWER_SCHEMA)
         assert rollout["data"]["output_json"] == value
+    # DPO from the supervised model: answering once the search result holds the figure is preferred
+    # to searching again. Held out, the policy's implicit reward picks the preferred answer and its
+    # own log-prob margin for it grows; the DPO model serves.
+    assert dpo_job.status == "succeeded" and dpo_job.method.dpo.hyperparameters.beta == 0.1  # "auto", resolved
+    evaluated = [m for m in dpo_metrics if "valid_loss" in m]
+    assert evaluated[0]["valid_loss"] < 0.6931 and evaluated[-1]["valid_loss"] < evaluated[0]["valid_loss"]
+    assert evaluated[-1]["valid_preference_accuracy"] > 0.8, evaluated
+    assert evaluated[-1]["valid_logprob_margin"] > evaluated[0]["valid_logprob_margin"], evaluated
+    assert dpo_answer.choices[0].message.content or dpo_answer.choices[0].message.tool_calls
 
 
 # The answer's format in the reinforcement job: strict, bounded so that an answer fits in a turn.
 ANSWER_SCHEMA = {"type": "object", "properties": {"company": {"type": "string", "maxLength": 16}},
                  "required": ["company"], "additionalProperties": False}
 ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}
+
+
+def prefer_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001
+    """A DPO job from `model` on pairs made from two-call traces (preference_pairs: the answer after
+    the first result over a second search), and a chat completion of its fine-tuned model."""
+    def traces(companies: list[str], year: int) -> list[dict]:
+        out = []
+        for company in companies:
+            messages = browsing_row(company, year)["messages"]
+            again = {"id": "call_2", "type": "function",
+                     "function": {"name": "search", "arguments": json.dumps({"query": f"{company} report {year}"})}}
+            out.append({"tools": [SEARCH], "messages": [
+                *messages[:4], {"role": "assistant", "content": None, "tool_calls": [again]},
+                {"role": "tool", "tool_call_id": "call_2", "content": messages[3]["content"]}, messages[4]]})
+        return out
+
+    train = upload(sdk, preference_pairs(traces(COMPANIES[:8], 2022)), "pairs.jsonl")
+    valid = upload(sdk, preference_pairs(traces(COMPANIES[8:], 2025) + traces(COMPANIES[:3], 2019)), "vpairs.jsonl")
+    job = sdk.fine_tuning.jobs.create(model=model, training_file=train, validation_file=valid, seed=7, method={
+        "type": "dpo", "dpo": {"hyperparameters": {"batch_size": 4, "n_epochs": 1},
+                               "x_open_model": {"eval_interval": 1}}})
+    wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed"), timeout=600,
+             interval=1.0)
+    done = sdk.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded", (done.error, log.read_text()[-3000:])
+    events = list(sdk.fine_tuning.jobs.list_events(job.id, limit=100))
+    metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
+    answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=30, temperature=0,
+                                         messages=traces(["Hooli"], 2024)[0]["messages"][:4])
+    return done, metrics, answer
 
 
 def reinforce_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001

@@ -134,7 +134,7 @@ class Settings(BaseSettings):
     )
     training_processes: int = Field(
         1, ge=1, le=64,
-        description="Training processes a reinforcement job uses on the worker's node (data-parallel, torch.distributed: NCCL on GPUs, one GPU per process; gloo on CPUs, the cores shared out); the most a job's `x_open_model.training_processes` may ask for. docs/scaling.md.",
+        description="Training processes a job of any method uses on the worker's node (data-parallel, torch.distributed: NCCL on GPUs, one GPU per process; gloo on CPUs, the cores shared out); the most a job's `x_open_model.training_processes` may ask for. docs/scaling.md.",
     )
     training_rank_timeout_s: float = Field(
         600.0, gt=0,

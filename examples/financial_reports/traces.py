@@ -48,6 +48,21 @@ async def browsing_traces(rows: Sequence[dict[str, Any]], client: Any, *, seed: 
     return traces
 
 
+def preference_pairs(traces: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """DPO rows (OpenAI's preference format) from browsing traces: once the first tool result is in,
+    answering (the trace's final answer, which that result already supports) is preferred to
+    browsing on (the trace's next call). A trace that answers right away gives no pair."""
+    pairs = []
+    for trace in traces:
+        messages = trace["messages"]
+        first_result = next(i for i, message in enumerate(messages) if message["role"] == "tool")
+        browsing_on = messages[first_result + 1]
+        if browsing_on.get("tool_calls"):
+            pairs.append({"input": {"messages": messages[:first_result + 1], "tools": trace["tools"]},
+                          "preferred_output": [messages[-1]], "non_preferred_output": [browsing_on]})
+    return pairs
+
+
 def tool_calls_of(trace: dict[str, Any]) -> int:
     return sum(1 for message in trace["messages"] if message.get("tool_calls"))
 

@@ -164,3 +164,58 @@ def test_a_follower_that_hangs_is_noticed_within_the_timeout(tmp_path: Path):
     assert 4 < waited < 30  # the group's timeout (5 s), plus the look at the processes
     assert lost.rank is None and "no answer within 5 s" in lost.reason
     assert not any(p.is_alive() for p in processes.processes)  # stop() ended the hung process
+
+
+# --- whole runs of the other methods, through the generic follower -------------------------------
+
+def method_trainer(method: str, work_dir: Path, group=None, loaded=None):  # noqa: ANN001, ANN201
+    """A 2-step run of `method` on the tiny model, and its FollowerJob (what a follower builds it from)."""
+    from tests.dpo.test_dpo_trainer import pair_row
+    from tests.sft.test_supervised_trainer import rows as chat_rows
+    from workers.distributed.follower import FollowerJob
+    from workers.dpo.hyperparameters import DpoConfig
+    from workers.dpo.trainer import DpoTrainer
+    from workers.sft.hyperparameters import SupervisedConfig
+    from workers.sft.trainer import SupervisedTrainer
+
+    options = {"batch_size": 4, "n_epochs": 2, "learning_rate": 1e-2, "eval_interval": 2, "training_mode": "lora",
+               "lora_rank": 8, "lora_alpha": 16, "micro_batch_tokens": 256}
+    if method == "dpo":
+        trainer_class, config, rows = DpoTrainer, DpoConfig(**options, beta=0.5), [pair_row(i) for i in range(4)]
+    else:
+        trainer_class, config, rows = SupervisedTrainer, SupervisedConfig(**options), chat_rows()[:4]
+    args = {"config": config, "train_rows": rows, "valid_rows": rows[:2], "work_dir": work_dir, "resume_state": None}
+    follower = FollowerJob(method, "tiny-smollm2", None, "float32", "lora", 1, args)
+    return (lambda hooks: trainer_class(loaded=loaded or load_model("tiny-smollm2", dtype="float32"), hooks=hooks,
+                                        group=group, **args)), follower
+
+
+@pytest.mark.parametrize("method", ["supervised", "dpo"])
+def test_a_supervised_or_dpo_run_on_two_processes_is_the_run_on_one(tmp_path: Path, method: str):
+    import asyncio
+
+    from tests.rl.test_trainer import RecordingHooks
+    from workers.distributed.follower import follow
+
+    torch.set_num_threads(1)
+    alone, hooks_one = method_trainer(method, tmp_path / "one")[0], RecordingHooks()
+    one = asyncio.run(alone(hooks_one).run())
+    _, follower = method_trainer(method, tmp_path / "two")
+    processes = TrainingProcesses(Rendezvous(free_port(), 2, 60, "gloo"), follow, follower, tmp_path / "two")
+    try:
+        group = processes.join_group()
+        hooks_two = RecordingHooks()
+        two = asyncio.run(method_trainer(method, tmp_path / "two", group)[0](hooks_two).run())
+    finally:
+        processes.stop()
+    assert one.status == two.status == "succeeded", hooks_two.events
+    assert len(hooks_one.metrics) == len(hooks_two.metrics) == 2
+    for a, b in zip(hooks_one.metrics, hooks_two.metrics):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+        assert b["train"]["grad_norm"] == pytest.approx(a["train"]["grad_norm"], rel=1e-3)
+    assert hooks_one.metrics[1]["train_loss"] != hooks_one.metrics[0]["train_loss"]  # the first step moved them
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(outcome.final_checkpoint / "adapter_model.safetensors")) for outcome in (one, two)]
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-4, atol=1e-5)
