@@ -117,13 +117,13 @@ def projects_set_wandb_key(
 ) -> None:
     """Set the project's Weights & Biases API key, used by its jobs' `wandb` integration. It is stored
     encrypted and never shown; it is read from stdin or a prompt, never an argument (shell history)."""
-    from app.auth.service import ProjectError, set_wandb_key
+    from app.auth.service import ProjectError, set_integration_key
 
     key = None if clear else (sys.stdin.read() if key_stdin else typer.prompt("W&B API key", hide_input=True))
     box = _secret_box()
     with _session() as session:
         try:
-            set_wandb_key(session=session, project_name=project, key=key, box=box)
+            set_integration_key(session=session, project_name=project, integration="wandb", key=key, box=box)
         except ProjectError as exc:
             _fail(str(exc))
     typer.echo(f"Removed the W&B API key of project {project}." if clear
@@ -215,7 +215,7 @@ def _rewrite_all(rewrite, verb: str) -> None:  # noqa: ANN001
         _fail(str(exc))
     typer.echo(f"{verb} {done.headers} header values (of tools and graders) and {done.webhook_secrets} "
                "webhook signing secrets.")
-    typer.echo(f"{verb} {done.wandb_keys} project W&B API keys.")
+    typer.echo(f"{verb} {done.integration_keys} project integration keys (W&B API keys).")
 
 
 @secrets_cli.command("reencrypt")
@@ -324,9 +324,9 @@ def rollout(
 ) -> None:
     """Run rollouts of MODEL against real tools and print transcripts and a summary table."""
     _require_extra("worker", "rollout", MODEL_PACKAGES)
-    from workers.rl.models import ModelError
-    from workers.rl.rollout import EngineConfig
-    from workers.rl.rollout_command import RolloutInputError, rollout_command
+    from workers.models.registry import ModelError
+    from workers.engine.rollout import EngineConfig
+    from workers.commands.rollout_command import RolloutInputError, rollout_command
 
     config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
                           max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature, top_p=top_p)
@@ -530,10 +530,10 @@ def eval_command(
 ) -> None:
     """Evaluate MODEL (before or after training): graded rollouts with the training engine."""
     _require_extra("worker", "eval", WORKER_PACKAGES)
-    from workers.rl.eval_command import eval_command
-    from workers.rl.models import ModelError
-    from workers.rl.rollout import EngineConfig
-    from workers.rl.rollout_command import RolloutInputError
+    from workers.commands.eval_command import eval_command
+    from workers.models.registry import ModelError
+    from workers.engine.rollout import EngineConfig
+    from workers.commands.rollout_command import RolloutInputError
 
     config = EngineConfig(max_episode_steps=max_episode_steps, max_tokens_per_turn=max_tokens_per_turn,
                           max_tokens_per_rollout=max_tokens_per_rollout, temperature=temperature)

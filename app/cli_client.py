@@ -1,6 +1,6 @@
 """What the user-facing `agent-rft files|jobs|checkpoints|diagnostics` commands do: talk to a
 running agent-rft server with the official `openai` SDK, exactly as a user's own code would.
-(`agent-rft eval` runs the engine locally: workers/rl/eval_command.py.)
+(`agent-rft eval` runs the engine locally: workers/commands/eval_command.py.)
 
 Every function raises CliError with a message meant for the terminal; app/cli.py prints it
 and exits 1. Nothing here imports torch.

@@ -1,6 +1,6 @@
 """Every table, imported in one place so Alembic (and tests) see the whole metadata."""
 
-from app.auth.models import ApiKey, Project
+from app.auth.models import ApiKey, IntegrationSecret, Project
 from app.core.db import Base
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.files.models import StoredFile
@@ -10,7 +10,8 @@ from app.responses.models import StoredResponse
 from app.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 __all__ = [
-    "ApiKey", "Base", "Checkpoint", "Diagnostic", "DiagnosticRollout", "IdempotencyRecord", "Job", "JobEvent",
+    "ApiKey", "Base", "Checkpoint", "Diagnostic", "DiagnosticRollout", "IdempotencyRecord", "IntegrationSecret", "Job",
+    "JobEvent",
     "JobMetric", "JobRollout", "JobStep", "Project", "StoredFile", "StoredResponse", "WebhookAttempt", "WebhookDelivery",
     "WebhookEndpoint", "WebhookEvent", "WorkerEventKey",
 ]

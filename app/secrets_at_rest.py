@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.crypto import SecretBox, is_sealed
 from app.jobs.tool_headers import reseal_headers, unseal_headers
-from app.models import Diagnostic, Job, Project, WebhookEndpoint  # every table: their foreign keys resolve
+from app.models import Diagnostic, IntegrationSecret, Job, WebhookEndpoint  # every table: their foreign keys resolve
 
 BATCH = 200
 WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
@@ -30,7 +30,7 @@ class Rewritten:
 
     headers: int = 0  # values in a `method`: tools' and graders'
     webhook_secrets: int = 0
-    wandb_keys: int = 0  # projects' W&B API keys
+    integration_keys: int = 0  # projects' integration keys (W&B API keys)
 
 
 def _locked_batches(factory: sessionmaker[Session], model: Any) -> Iterator[list[Any]]:
@@ -69,18 +69,18 @@ def _pass(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, i
                     row.method, done.headers = new, done.headers + changed
     for endpoints in _locked_batches(factory, WebhookEndpoint):
         done.webhook_secrets += sum(_rewrite_secrets(ep, secret) for ep in endpoints)
-    done.wandb_keys = _rewrite_wandb_keys(factory, secret)
+    done.integration_keys = _rewrite_integration_keys(factory, secret)
     return done
 
 
-def _rewrite_wandb_keys(factory: sessionmaker[Session], rewrite: Callable[[str], str | None]) -> int:
-    """The projects' W&B keys, in one transaction: a project table is small."""
+def _rewrite_integration_keys(factory: sessionmaker[Session], rewrite: Callable[[str], str | None]) -> int:
+    """The projects' integration keys, in one transaction: one row per project and integration."""
     changed = 0
     with factory.begin() as session:
-        for project in session.scalars(select(Project).where(Project.wandb_api_key.is_not(None)).with_for_update()):
-            new = rewrite(project.wandb_api_key)
+        for secret in session.scalars(select(IntegrationSecret).with_for_update()):
+            new = rewrite(secret.sealed)
             if new is not None:
-                project.wandb_api_key, changed = new, changed + 1
+                secret.sealed, changed = new, changed + 1
     return changed
 
 

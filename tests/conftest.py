@@ -347,7 +347,7 @@ def vllm_process(log: Path) -> Iterator[tuple[str, Any]]:
     docs/vllm.md says to run it; yields (its base URL, its process) and kills it afterwards."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (scripts/test.sh installs one)")
-    from workers.rl.models import model_directory
+    from workers.models.loading import model_directory
 
     port = free_port()
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}

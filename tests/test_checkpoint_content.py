@@ -33,7 +33,9 @@ def _logits(model: Any) -> torch.Tensor:
 def saved(tmp_path_factory) -> dict[str, Any]:
     """A LoRA adapter directory and a full model directory of tiny-smollm2, each with the logits
     of the model it was saved from; both differ from the base model."""
-    from workers.rl.models import apply_lora, load_model, save_model_dir
+    from workers.models.loading import load_model
+    from workers.models.lora import apply_lora
+    from workers.models.registry import save_model_dir
 
     root = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(0)

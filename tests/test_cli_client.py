@@ -217,7 +217,8 @@ def test_eval_prints_accuracy_and_tool_use_and_writes_json(eval_inputs, tmp_path
 
 
 def test_eval_of_a_lora_checkpoint_directory(eval_inputs, tmp_path):
-    from workers.rl.models import apply_lora, load_model
+    from workers.models.loading import load_model
+    from workers.models.lora import apply_lora
 
     checkpoint = tmp_path / "step-3"
     apply_lora(load_model("tiny-smollm2"), rank=4, alpha=8.0).save_pretrained(checkpoint)

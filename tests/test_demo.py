@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import wait_for
-from workers.rl.models import native_bf16_cpu
+from workers.models.loading import native_bf16_cpu
 
 AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
 DEMO = [AGENT_RFT, "demo", "--quick"]

@@ -3,9 +3,9 @@
 - docs/configuration.md lists every `Settings` field as its `AGENT_RFT_*` variable, and names no
   `AGENT_RFT_*` variable that neither `Settings` nor the code reads.
 - README.md, docs/*.md and benchmarks/*/README.md name only repository paths that exist (relative
-  links resolved from the doc's folder, bare paths such as `workers/rl/update.py` from the
+  links resolved from the doc's folder, bare paths such as `workers/methods/reinforcement/update.py` from the
   repository root) and only Python symbols that exist: `path.py::name` (or `path.py::Class.name`),
-  a dotted `workers.rl.update.token_logprobs`, and a short `update.token_logprobs` where `update` is
+  a dotted `workers.methods.reinforcement.update.token_logprobs`, and a short `update.token_logprobs` where `update` is
   the name of a module file. Symbols are read with `ast`; nothing is imported.
 """
 
@@ -194,12 +194,12 @@ def test_the_checker_finds_made_up_references():
     fake = "\n".join([
         "See [the tool server](tool-server.md) and [nothing](no-such-page.md#x).",
         "From a benchmark: [ok](../README.md), [gone](../../docs/gone.md).",
-        "The update lives in `workers/rl/update.py` and `workers/rl/foo.py`.",
-        "`workers/rl/update.py::token_logprobs` exists, `workers/rl/trainer.py::feedable_prefix` does not.",
-        "`workers.rl.update.token_logprobs` exists, `workers.rl.update.no_such_name` does not,",
+        "The update lives in `workers/methods/reinforcement/update.py` and `workers/rl/foo.py`.",
+        "`workers/training/sequences.py::token_logprobs` exists, `workers/methods/reinforcement/trainer.py::feedable_prefix` does not.",
+        "`workers.methods.reinforcement.update.policy_update` exists, `workers.methods.reinforcement.update.no_such_name` does not,",
         "nor does the module `workers.rl.no_such_module`, nor `app.no_such_package.x`.",
-        "`update.feedable_prefix` exists, `update.made_up` does not; `Trainer._train_step` is not a module.",
-        "`workers/rl/trainer.py::Trainer._train_step` exists, `workers/rl/trainer.py::Trainer.nope` does not.",
+        "`sequences.feedable_prefix` exists, `sequences.made_up` does not; `Trainer._train_step` is not a module.",
+        "`workers/methods/reinforcement/trainer.py::Trainer._train_step` exists, `workers/methods/reinforcement/trainer.py::Trainer.nope` does not.",
         "```bash",
         "cat workers/rl/inside_a_code_block.py   # not checked",
         "```",
@@ -209,12 +209,12 @@ def test_the_checker_finds_made_up_references():
         "link no-such-page.md#x",
         "link ../../docs/gone.md",
         "path workers/rl/foo.py",
-        "symbol workers/rl/trainer.py::feedable_prefix",
-        "symbol workers/rl/trainer.py::Trainer.nope",
-        "symbol workers.rl.update.no_such_name",
+        "symbol workers/methods/reinforcement/trainer.py::feedable_prefix",
+        "symbol workers/methods/reinforcement/trainer.py::Trainer.nope",
+        "symbol workers.methods.reinforcement.update.no_such_name",
         "symbol workers.rl.no_such_module",
         "symbol app.no_such_package.x",
-        "symbol update.made_up",
+        "symbol sequences.made_up",
     ]
 
 

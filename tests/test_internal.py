@@ -92,10 +92,10 @@ def metrics_data(step: int, reward: float) -> dict[str, Any]:
 
 
 def supervised_metrics_data(step: int, total: int, *, eval_every: int) -> dict[str, Any]:
-    """A supervised step's metrics as the trainer builds them (workers/sft/trainer.py), the loss
+    """A supervised step's metrics as the trainer builds them (workers/methods/supervised/trainer.py), the loss
     falling as 1/step: validation at eval steps and the last, full validation at the last."""
-    from workers.sft.loss import TokenScores
-    from workers.sft.trainer import _step_metrics
+    from workers.methods.supervised.loss import TokenScores
+    from workers.methods.supervised.trainer import _step_metrics
 
     def scores(loss: float) -> TokenScores:
         return TokenScores(loss=loss, accuracy=1 - loss / 2, tokens=40, grad_norm=0.5)
@@ -362,8 +362,8 @@ def push_checkpoints(worker, job_id: str, metrics_of) -> list[str]:  # noqa: ANN
 def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
     job_id = queued_job(api)
     worker.claim(job_id)
-    deleted = push_checkpoints(worker, job_id, lambda reward: {"valid_reward_mean": reward,
-                                                               "train_reward_mean": reward / 2})
+    deleted = push_checkpoints(worker, job_id, lambda reward: {"scores": {"valid_reward_mean": reward,
+                                                                          "train_reward_mean": reward / 2}})
     assert deleted == [f"/ckpt/{job_id}/step-1"]
     repeat = worker.leased("PUT", f"/jobs/{job_id}/checkpoints/5", path=f"/ckpt/{job_id}/step-5", metrics={})
     assert repeat.json()["created"] is False and repeat.json()["delete_paths"] == []
@@ -372,7 +372,7 @@ def test_checkpoints_keep_the_three_best_and_the_latest(api, worker, project):
     assert sorted(c["step_number"] for c in listed) == [2, 3, 4, 5]
     by_step = {c["step_number"]: c for c in listed}
     assert by_step[4]["fine_tuned_model_checkpoint"] == f"ft:SmolLM2-135M-Instruct:{project['name']}::{job_id}:ckpt-step-4"
-    assert by_step[4]["metrics"] == {"step": 4, "valid_reward_mean": 0.9, "train_reward_mean": 0.45}
+    assert by_step[4]["metrics"] == {"step": 4, "scores": {"valid_reward_mean": 0.9, "train_reward_mean": 0.45}}
     assert messages(api, job_id).count("Checkpoint created at step 5") == 1
 
 

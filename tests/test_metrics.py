@@ -25,7 +25,7 @@ from tests.test_internal import Worker, queued_job
 from tests.test_training_e2e import celery_worker, create_job, status_of, training_settings  # noqa: F401
 from workers.inference.server import create_inference_app
 from workers.metrics import REGISTRY as WORKER_REGISTRY
-from workers.rl.tools_client import ToolClient, ToolClientOptions
+from workers.engine.tools_client import ToolClient, ToolClientOptions
 
 LOOPBACK = ("127.0.0.1", 50000)
 ELSEWHERE = ("203.0.113.7", 50000)  # TEST-NET-3: never this machine

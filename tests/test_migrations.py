@@ -38,6 +38,28 @@ def test_upgrade_to_head_and_downgrade_to_empty_on_postgres():
             engine.dispose()
 
 
+def test_a_projects_wandb_key_moves_to_its_integration_secrets_and_back():
+    from sqlalchemy import text
+
+    with fresh_pg_database() as url:
+        engine = make_engine(_pg(url))
+        try:
+            upgrade(_pg(url), "0013")
+            with engine.begin() as conn:
+                conn.execute(text("INSERT INTO projects (id, name, created_at, wandb_api_key) "
+                                  "VALUES ('proj_1', 'p', now(), 'fernet:sealed'), ('proj_2', 'q', now(), NULL)"))
+            upgrade(_pg(url))
+            with engine.connect() as conn:
+                rows = conn.execute(text("SELECT project_id, integration, sealed FROM integration_secrets")).all()
+            assert [tuple(r) for r in rows] == [("proj_1", "wandb", "fernet:sealed")]
+            downgrade(_pg(url), "0013")
+            with engine.connect() as conn:
+                keys = dict(conn.execute(text("SELECT id, wandb_api_key FROM projects")).all())
+            assert keys == {"proj_1": "fernet:sealed", "proj_2": None}
+        finally:
+            engine.dispose()
+
+
 def test_migrations_match_the_models():
     """A model change without a migration fails here (alembic check compares them)."""
     from alembic import command

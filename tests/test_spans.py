@@ -15,8 +15,9 @@ from tests.rl.policies import ScriptedPolicy
 from tests.rl.test_trainer import RecordingHooks, config, rows, train
 from tests.rl.tool_server import tool_server
 from workers import spans
-from workers.rl.models import LoadedModel, load_model
-from workers.rl.rollout import EngineConfig
+from workers.models.loading import load_model
+from workers.models.registry import LoadedModel
+from workers.engine.rollout import EngineConfig
 
 CALL = '<tool_call>{"name": "search", "arguments": {"query": "acme revenue"}}</tool_call>'
 

@@ -119,7 +119,7 @@ def test_a_job_trains_end_to_end(training_settings, project, pg_url):
         assert sorted(p.name for p in folder.iterdir()) == sorted({p.name for p in Path(path).iterdir()} | {"README.md"})
     from peft import PeftModel
 
-    from workers.rl.models import load_model
+    from workers.models.loading import load_model
 
     base_model = load_model("tiny-smollm2").model
     trained = PeftModel.from_pretrained(base_model, str(folder))

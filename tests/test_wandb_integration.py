@@ -16,7 +16,7 @@ import openai
 import psycopg
 import pytest
 
-from app.auth.service import set_wandb_key
+from app.auth.service import set_integration_key
 from app.core.config import Settings
 from app.core.crypto import secret_box
 from app.core.db import make_engine, make_session_factory
@@ -35,7 +35,8 @@ def set_key(settings: Settings, project_name: str, key: str = WANDB_KEY) -> None
     engine = make_engine(settings.resolved_database_url)
     try:
         with make_session_factory(engine).begin() as session:
-            set_wandb_key(session=session, project_name=project_name, key=key, box=secret_box(settings))
+            set_integration_key(session=session, project_name=project_name, integration="wandb", key=key,
+                                box=secret_box(settings))
     finally:
         engine.dispose()
 
@@ -96,7 +97,8 @@ def test_the_key_is_sealed_and_never_shown(settings, project, pg_url):
                    *sdk.fine_tuning.jobs.list_events(job.id)]
         assert all(WANDB_KEY not in a.model_dump_json() for a in answers)
     with psycopg.connect(pg_url) as conn:
-        stored = conn.execute("SELECT wandb_api_key FROM projects WHERE id = %s", (project["project_id"],)).fetchone()[0]
+        stored = conn.execute("SELECT sealed FROM integration_secrets WHERE project_id = %s AND integration = 'wandb'",
+                              (project["project_id"],)).fetchone()[0]
     assert stored.startswith("fernet:") and WANDB_KEY not in stored
 
 
@@ -109,8 +111,9 @@ def test_the_cli_sets_and_clears_the_key(settings, project, pg_url):
 
     def stored() -> str | None:
         with psycopg.connect(pg_url) as conn:
-            return conn.execute("SELECT wandb_api_key FROM projects WHERE id = %s",
-                                (project["project_id"],)).fetchone()[0]
+            row = conn.execute("SELECT sealed FROM integration_secrets WHERE project_id = %s AND integration = 'wandb'",
+                               (project["project_id"],)).fetchone()
+            return row[0] if row else None
 
     done = cli(project["name"], "--key-stdin", stdin=WANDB_KEY + "\n")
     assert done.returncode == 0, done.stderr
@@ -120,7 +123,7 @@ def test_the_cli_sets_and_clears_the_key(settings, project, pg_url):
     unknown = cli("no-such-project", "--key-stdin", stdin=WANDB_KEY)
     assert unknown.returncode == 1 and "No project named 'no-such-project'" in unknown.stderr
     blank = cli(project["name"], "--key-stdin", stdin="  \n")
-    assert blank.returncode == 1 and "W&B API key" in blank.stderr
+    assert blank.returncode == 1 and "W&B key" in blank.stderr
 
     cleared = cli(project["name"], "--clear")
     assert cleared.returncode == 0 and stored() is None
@@ -135,7 +138,7 @@ def claimed_job(**overrides: Any) -> Any:
         "id": "ftjob-abc", "project_id": "proj_1", "project_name": "p", "model": "tiny-smollm2",
         "training_file": "file-1", "validation_file": None, "seed": 7, "suffix": None, "resume_state": None,
         "completed_steps": 0, "resolved_hyperparameters": None, "integrations": [wandb(tags=["x"])],
-        "wandb_api_key": WANDB_KEY,
+        "integration_keys": {"wandb": WANDB_KEY},
         "method": {"type": "reinforcement", "reinforcement": {
             "grader": {"type": "string_check", "name": "g", "input": "a", "reference": "a", "operation": "eq"},
             "tools": [{"name": "search", "server_url": "http://127.0.0.1:1/t",
@@ -322,13 +325,14 @@ def test_reencrypt_seals_the_key_under_the_newest_key(settings, project):
     try:
         factory = make_session_factory(engine)
         with factory.begin() as session:
-            set_wandb_key(session=session, project_name=project["name"], key=WANDB_KEY, box=SecretBox((old,)))
-        assert reencrypt(factory, SecretBox((new, old))).wandb_keys == 1
-        assert reencrypt(factory, SecretBox((new, old))).wandb_keys == 0
+            set_integration_key(session=session, project_name=project["name"], integration="wandb", key=WANDB_KEY,
+                                box=SecretBox((old,)))
+        assert reencrypt(factory, SecretBox((new, old))).integration_keys == 1
+        assert reencrypt(factory, SecretBox((new, old))).integration_keys == 0
         with factory.begin() as session:
-            from app.auth.models import Project
+            from app.auth.models import IntegrationSecret
 
-            stored = session.get(Project, project["project_id"]).wandb_api_key
+            stored = session.get(IntegrationSecret, (project["project_id"], "wandb")).sealed
         assert SecretBox((new,)).open(stored) == WANDB_KEY
     finally:
         engine.dispose()

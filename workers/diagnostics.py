@@ -1,6 +1,6 @@
 """A variance diagnostic on a worker: what the `run_diagnostic` task runs, and what a job with
 `x_open_model.diagnostic` runs before training (workers/tasks.py). Claim under a lease,
-heartbeat, the rows, the model, the rollouts (workers/rl/diagnostic.py), pushes, finish.
+heartbeat, the rows, the model, the rollouts (workers/methods/reinforcement/diagnostic.py), pushes, finish.
 
 A job's worker holds the job's lease and its diagnostic's at the same time, on one client: every
 call names its lease.
@@ -60,13 +60,13 @@ class DiagnosticRun:
 
     async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
         from app.graders.service import grader_context
-        from workers.rl.data import job_tool_schemas, prompts_from_rows
-        from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
-        from workers.rl.hyperparameters import resolve_hyperparameters
-        from workers.rl.models import load_model
-        from workers.rl.prompting import ChatFormatter
-        from workers.rl.rollout import RolloutEngine
-        from workers.rl.tools_client import ToolClient, ToolClientOptions
+        from workers.training.data import job_tool_schemas, prompts_from_rows
+        from workers.methods.reinforcement.diagnostic import load_basis, run_diagnostic, select_samples
+        from workers.methods.reinforcement.hyperparameters import resolve_hyperparameters
+        from workers.models.loading import load_model
+        from workers.engine.prompting import ChatFormatter
+        from workers.engine.rollout import RolloutEngine
+        from workers.engine.tools_client import ToolClient, ToolClientOptions
 
         spec, reinforcement = self.spec, self.spec.method.reinforcement
         if rows is None:
@@ -92,7 +92,7 @@ class DiagnosticRun:
                 hooks=self, done=frozenset(spec.done_samples))
         return outcome.status
 
-    # -- hooks of workers/rl/diagnostic.run_diagnostic --------------------------------------------
+    # -- hooks of workers/methods/reinforcement/diagnostic.run_diagnostic --------------------------------------------
 
     async def on_rollouts(self, records: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, self.lease_id, records)

@@ -51,7 +51,7 @@ _recent_jobs: OrderedDict[str, set[tuple[str, ...]]] = OrderedDict()
 
 
 def step_phases(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """A step's seconds by phase from its metrics event (workers/rl/step_report.py): sampling (the
+    """A step's seconds by phase from its metrics event (workers/methods/reinforcement/step_report.py): sampling (the
     model's prefill and decode), tools (the wall time sampling waited, mostly on tool calls),
     grading, update, eval, and the whole step. A supervised step reports its whole time only."""
     timing = metrics.get("timing") or {}

@@ -89,7 +89,7 @@ class JobRun:
             self.job_id, self.lease_id, f"{self.lease_id}:wandb", "warn", message, data))
 
     def run(self) -> dict[str, Any]:
-        from workers.rl.training_run import RunInterrupted
+        from workers.training.training_run import RunInterrupted
         from workers.spans import configure_from_environment
 
         configure_from_environment()  # OpenTelemetry spans, where OTEL_EXPORTER_OTLP_* says where to send them
@@ -131,6 +131,10 @@ class JobRun:
         except Exception:  # noqa: BLE001 - the watchdog re-queues a job whose worker cannot report
             log.exception("could not report the end of job %s", self.job_id)
 
+    def hooks(self, resolved: dict[str, Any] | None) -> ControlHooks:
+        """The trainer's reporting channel for this claim; `resolved`: the job's resolved hyperparameters."""
+        return ControlHooks(self, resolved)
+
     def rows(self, file_id: str | None) -> list[dict[str, Any]]:
         return self.client.file_rows(file_id) if file_id else []
 
@@ -147,9 +151,10 @@ class JobRun:
         method's trainer from `trainer_args` (and `follower_only`); they are stopped on the way out."""
         import torch
 
-        from workers.distributed.follower import FollowerJob, follow
-        from workers.distributed.group import Rendezvous
-        from workers.distributed.launch import TrainingProcesses, backend_for, free_port
+        from workers.methods import METHODS
+        from workers.training.distributed.follower import FollowerJob, follow
+        from workers.training.distributed.group import Rendezvous
+        from workers.training.distributed.launch import TrainingProcesses, backend_for, free_port
 
         n = await self._process_count(loaded, hooks)
         if n == 1:
@@ -159,7 +164,7 @@ class JobRun:
         cores = torch.get_num_threads()
         threads = None if on_gpu else max(1, len(os.sched_getaffinity(0)) // n)
         job = self.job
-        follower = FollowerJob(job.method.type, job.model, job.start_from, method_block_of(job).x_open_model.dtype,
+        follower = FollowerJob(METHODS[job.method.type], job.model, job.start_from, method_block_of(job).x_open_model.dtype,
                                training_mode, threads, {**trainer_args, **follower_only})
         rendezvous = Rendezvous(free_port(), n, self.settings.training_rank_timeout_s, backend_for(loaded.device.type))
         processes = TrainingProcesses(rendezvous, follow, follower, self.work_dir)
@@ -193,7 +198,7 @@ class JobRun:
 
     async def load_start(self, dtype: str, training_mode: str, hooks: ControlHooks) -> Any:
         """The weights training starts from: the base model, or the fine-tuned model the job names."""
-        from workers.rl.models import load_start
+        from workers.models.lora import load_start
 
         start = self.job.start_from
         loaded, how = load_start(self.job.model, start, dtype=dtype, training_mode=training_mode)
@@ -218,7 +223,7 @@ class ControlHooks:
         self._events = 0
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        from workers.rl.training_run import RunInterrupted
+        from workers.training.training_run import RunInterrupted
 
         try:
             return await asyncio.to_thread(fn, self.job_id, self.lease_id, *args, **kwargs)
@@ -244,7 +249,7 @@ class ControlHooks:
                          resolved_hyperparameters=self.resolved, trained_tokens=trained_tokens)
 
     async def control(self) -> str:
-        from workers.rl.training_run import RunInterrupted
+        from workers.training.training_run import RunInterrupted
 
         action = await asyncio.to_thread(self.run.heartbeat.beat)
         if action == "unreachable":  # do not train a step that could not be reported

@@ -14,9 +14,19 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # The project's Weights & Biases API key, sealed (`fernet:…`, app/core/crypto.py); opened only
-    # for the worker that claims one of its jobs with a `wandb` integration, never shown.
-    wandb_api_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class IntegrationSecret(Base):
+    """A project's credential for one integration type (`wandb`: its W&B API key), sealed
+    (`fernet:…`, app/core/crypto.py); opened only for the worker that claims one of the project's
+    jobs using that integration, never shown."""
+
+    __tablename__ = "integration_secrets"
+
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    integration: Mapped[str] = mapped_column(String(32), primary_key=True)
+    sealed: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
 class ApiKey(Base):

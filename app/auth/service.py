@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from app.auth.models import ApiKey, Project
+from app.auth.models import ApiKey, IntegrationSecret, Project
 from app.core.crypto import SecretBox
 from app.core.db import utcnow
 from app.core.ids import new_id
@@ -110,21 +110,28 @@ def list_keys(*, session: Session, project_name: str) -> list[KeyInfo]:
     return [KeyInfo(k.id, k.display_prefix, k.created_at, k.last_used_at, k.expires_at, k.revoked_at) for k in keys]
 
 
-MAX_WANDB_KEY_LENGTH = 512
+MAX_INTEGRATION_KEY_LENGTH = 512
 
 
-def set_wandb_key(*, session: Session, project_name: str, key: str | None, box: SecretBox) -> None:
-    """Store the project's Weights & Biases API key sealed (None removes it). Jobs already created
-    with a W&B integration use whatever key the project has when a worker claims them."""
+def set_integration_key(*, session: Session, project_name: str, integration: str, key: str | None,
+                        box: SecretBox) -> None:
+    """Store the project's credential for `integration` (`wandb`: its W&B API key) sealed; None
+    removes it. Jobs already created with that integration use whatever key the project has when a
+    worker claims them."""
     project = _project(session, project_name)
+    stored = session.get(IntegrationSecret, (project.id, integration))
     if key is None:
-        project.wandb_api_key = None
+        if stored is not None:
+            session.delete(stored)
         return
     key = key.strip()
-    if not key or len(key) > MAX_WANDB_KEY_LENGTH or any(c.isspace() for c in key):
-        raise ProjectError(f"A W&B API key is 1-{MAX_WANDB_KEY_LENGTH} characters without spaces "
-                           "(https://wandb.ai/authorize shows yours).")
-    project.wandb_api_key = box.seal(key)
+    if not key or len(key) > MAX_INTEGRATION_KEY_LENGTH or any(c.isspace() for c in key):
+        raise ProjectError(f"An integration key is 1-{MAX_INTEGRATION_KEY_LENGTH} characters without spaces "
+                           "(https://wandb.ai/authorize shows a W&B key).")
+    if stored is None:
+        session.add(IntegrationSecret(project_id=project.id, integration=integration, sealed=box.seal(key)))
+    else:
+        stored.sealed = box.seal(key)
 
 
 def revoke_key(*, session: Session, key_id: str) -> KeyInfo:

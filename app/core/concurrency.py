@@ -9,7 +9,7 @@ A request that started before the last decrease says nothing about the new limit
 answer does not halve the limit again, so a burst of 429s from one round of requests halves it
 once, not once per request.
 
-Used by the tool client (workers/rl/tools_client.py, one per tool) and the graders' outbound
+Used by the tool client (workers/engine/tools_client.py, one per tool) and the graders' outbound
 calls (app/graders/judges.py, one per URL). Bound to the event loop that first waits on it.
 """
 

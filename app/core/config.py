@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     )
     model_cache_dir: Path | None = Field(
         None,
-        description="Where converted models (SmolLM2's GGUF as safetensors, the tiny test model) are cached; default `~/.cache/agent-rft/models`. Read by workers/rl/models/registry.py.",
+        description="Where converted models (SmolLM2's GGUF as safetensors, the tiny test model) are cached; default `~/.cache/agent-rft/models`. Read by workers/models/registry.py.",
     )
     judge_base_url: str | None = Field(
         None,

@@ -1,14 +1,14 @@
 """OpenAI's `response_format`, checked where it arrives (chat completions, the Responses API's
 `text.format`, a reinforcement job's `method.reinforcement.response_format`): `text`,
 `json_object`, or `json_schema` with a `name` and a `schema` that the grammar engine compiles (the
-one the workers enforce it with, workers/rl/constraints.py), so that a schema no worker could
+one the workers enforce it with, workers/engine/constraints.py), so that a schema no worker could
 enforce is a 400 naming the field, never a failure later."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from workers.rl.constraints import UnsupportedFormat, json_grammar
+from workers.engine.constraints import UnsupportedFormat, json_grammar
 
 
 def check_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:

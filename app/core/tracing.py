@@ -1,6 +1,6 @@
 """Trace context on outbound requests (tools, endpoint graders, judges).
 
-A rollout's `trace_id` (`trace_<32 hex>`, workers/rl/rollout.py) maps to a W3C trace id, so the
+A rollout's `trace_id` (`trace_<32 hex>`, workers/engine/rollout.py) maps to a W3C trace id, so the
 `traceparent` header of every request of one rollout names the same trace and a customer's
 OpenTelemetry traces line up with our rollouts. The worker and the API (the rollout browser)
 import this one mapping.

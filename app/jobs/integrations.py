@@ -1,7 +1,8 @@
 """A job's `integrations` (Weights & Biases, the one type OpenAI defines): checked at creation,
 stored on the job, shown as OpenAI shows them, and handed to the worker that claims the job with
-the project's W&B API key opened. The key is a project secret (`agent-rft projects
-set-wandb-key`), sealed at rest like tool headers and never part of any `/v1` answer."""
+the project's key for each integration it uses opened. The keys are project secrets, one per
+integration type (`integration_secrets`; `agent-rft projects set-wandb-key`), sealed at rest like
+tool headers and never part of any `/v1` answer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.auth.models import Project
+from app.auth.models import IntegrationSecret
 from app.core.crypto import SecretBox
 from app.core.errors import bad_request
 from app.jobs.schemas import Integration
@@ -18,8 +19,9 @@ from app.jobs.schemas import Integration
 WANDB = "wandb"
 
 
-def _stored_key(session: Session, project_id: str) -> str | None:
-    return session.scalar(select(Project.wandb_api_key).where(Project.id == project_id))
+def _stored_key(session: Session, project_id: str, integration: str) -> str | None:
+    return session.scalar(select(IntegrationSecret.sealed).where(IntegrationSecret.project_id == project_id,
+                                                                 IntegrationSecret.integration == integration))
 
 
 def check_integrations(session: Session, project_id: str,
@@ -31,7 +33,7 @@ def check_integrations(session: Session, project_id: str,
     if len(integrations) > 1:  # every entry is `wandb` (the only type), and a job is one run
         raise bad_request("A job logs to one Weights & Biases run: give a single wandb integration.",
                           param="integrations[1]")
-    if _stored_key(session, project_id) is None:
+    if _stored_key(session, project_id, WANDB) is None:
         raise bad_request("This job asks for the Weights & Biases integration, but its project has no W&B API "
                           "key. An administrator sets one with `agent-rft projects set-wandb-key <project> "
                           "--key-stdin`.", param="integrations", code="wandb_api_key_missing")
@@ -51,10 +53,12 @@ def wandb_of(stored: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     return next((item[WANDB] for item in stored or [] if item.get("type") == WANDB), None)
 
 
-def wandb_key_for_claim(session: Session, project_id: str, stored: list[dict[str, Any]] | None,
-                        box: SecretBox) -> str | None:
-    """The project's W&B key in plain text, only when the claimed job logs to W&B."""
-    if wandb_of(stored) is None:
-        return None
-    sealed = _stored_key(session, project_id)
-    return box.open(sealed) if sealed else None
+def keys_for_claim(session: Session, project_id: str, stored: list[dict[str, Any]] | None,
+                   box: SecretBox) -> dict[str, str]:
+    """The project's keys in plain text, by integration type, for the integrations the claimed job uses."""
+    keys = {}
+    for integration in {item["type"] for item in stored or []}:
+        sealed = _stored_key(session, project_id, integration)
+        if sealed:
+            keys[integration] = box.open(sealed)
+    return keys

@@ -239,7 +239,13 @@ class DpoMethod(BaseModel):
 
 
 class Method(BaseModel):
-    type: Literal["reinforcement", "supervised", "dpo"]
+    """`method`: its `type` names a method of the registry (app/jobs/methods/: `reinforcement`,
+    `supervised`, `dpo`; another is a 400 naming `method.type`) and the block of that name holds its
+    options. A method added to the registry brings its block as an extra field, which its module checks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(max_length=64, examples=["reinforcement", "supervised", "dpo"])
     reinforcement: ReinforcementMethod | None = None
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None

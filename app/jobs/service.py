@@ -104,16 +104,14 @@ def _with_top_level_hyperparameters(method: Method, hyperparameters: dict[str, A
     return method.model_copy(update={"supervised": supervised.model_copy(update={"hyperparameters": parsed})})
 
 
-JOB_METHODS = tuple(METHODS)
-
-
 def check_method(method: Method | None, settings: Settings, *,
-                 supported: tuple[str, ...] = JOB_METHODS) -> dict[str, Any]:
+                 supported: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The stored form of a `method` block, after every synchronous check (also used by the
     variance diagnostic, which takes the same block but only `supported=("reinforcement",)`)."""
     if method is None:
         raise APIError(400, "method is required: {'type': 'reinforcement', 'reinforcement': {...}}.",
                        code="missing_required_parameter", param="method")
+    supported = supported or tuple(METHODS)  # by default every method of the registry
     if method.type not in supported:
         raise APIError(400, f"method.type '{method.type}' is not supported here; use "
                             f"{' or '.join(repr(t) for t in supported)}.", code="unsupported_method", param="method.type")

@@ -45,9 +45,10 @@ class ClaimedJob(BaseModel):
     resolved_hyperparameters: dict[str, Any] | None
     start_from: StartFrom | None = None
     integrations: list[Integration] = Field(default_factory=list, description="The job's integrations (W&B).")
-    # Opened from the project's sealed key only when the job logs to W&B; repr=False keeps it out of
-    # any log line or traceback that prints the claim.
-    wandb_api_key: str | None = Field(None, repr=False, description="The project's W&B API key, in plain text.")
+    # Opened from the project's sealed keys, only for the integrations the job uses; repr=False keeps
+    # them out of any log line or traceback that prints the claim.
+    integration_keys: dict[str, str] = Field(default_factory=dict, repr=False, description=(
+        "The project's key for each integration the job uses (`wandb`: its W&B API key), in plain text."))
 
 
 class ClaimResponse(BaseModel):

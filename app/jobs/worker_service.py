@@ -22,7 +22,7 @@ from app.files import service as files
 from app.files.storage import Storage
 from app.jobs import service as jobs
 from app.jobs import step_metrics
-from app.jobs.integrations import wandb_key_for_claim
+from app.jobs.integrations import keys_for_claim
 from app.jobs.lineage import base_model_of, checkpoint_named, is_fine_tuned, start_point
 from app.jobs.methods import METHODS
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep, WorkerEventKey
@@ -85,7 +85,7 @@ def claim(*, session: Session, settings: Settings, storage: Storage, job_id: str
         suffix=job.suffix, resume_state=job.resume_state, completed_steps=job.completed_steps,
         resolved_hyperparameters=job.resolved_hyperparameters, start_from=_start_from(session, job),
         integrations=job.integrations or [],
-        wandb_api_key=wandb_key_for_claim(session, job.project_id, job.integrations, secret_box(settings)),
+        integration_keys=keys_for_claim(session, job.project_id, job.integrations, secret_box(settings)),
     ))
 
 

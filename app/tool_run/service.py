@@ -1,4 +1,4 @@
-"""One tool call, sent as a rollout sends it (workers/rl/tools_client.py: the same body, headers,
+"""One tool call, sent as a rollout sends it (workers/engine/tools_client.py: the same body, headers,
 `Idempotency-Key`, `traceparent`, timeouts, retries and outbound guard), and its answer.
 
 - The tool answered 2xx: its JSON reply as it is when it has an `output`; otherwise
@@ -19,7 +19,7 @@ from app.core.errors import APIError, bad_request
 from app.core.ids import new_id
 from app.core.urls import BlockedURL, guard_url
 from app.tool_run.schemas import ToolRunRequest
-from workers.rl.tools_client import ToolClient, ToolEndpoint, ToolResult
+from workers.engine.tools_client import ToolClient, ToolEndpoint, ToolResult
 
 
 async def run_tool(body: ToolRunRequest, *, settings: Settings) -> dict[str, Any]:

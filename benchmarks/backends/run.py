@@ -51,7 +51,7 @@ def questions() -> list[list[dict[str, str]]]:
 
 def make_sampler(backend: str, config: Any, vllm_url: str, prefix: str) -> Any:
     """The vLLM sampler, or None: the engine's own in-process sampler."""
-    from workers.rl.vllm_sampler import VLLMSampler
+    from workers.engine.vllm_sampler import VLLMSampler
 
     return VLLMSampler([vllm_url], model=MODEL, config=config, adapter_prefix=prefix) if backend == "vllm" else None
 
@@ -60,11 +60,11 @@ def make_sampler(backend: str, config: Any, vllm_url: str, prefix: str) -> Any:
 
 
 def measure_rollouts(backend: str, loaded: Any, tool_url: str, vllm_url: str) -> dict[str, Any]:
-    from workers.rl.generation import sequence_logprobs
-    from workers.rl.prompting import ChatFormatter
-    from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-    from workers.rl.toolcalls import ToolSchema
-    from workers.rl.tools_client import ToolClient
+    from workers.engine.generation import sequence_logprobs
+    from workers.engine.prompting import ChatFormatter
+    from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+    from workers.engine.toolcalls import ToolSchema
+    from workers.engine.tools_client import ToolClient
 
     search = ToolSchema("search", "Search the reports", {"type": "object", "properties": {"query": {"type": "string"}},
                                                          "required": ["query"]})
@@ -98,9 +98,9 @@ def measure_rollouts(backend: str, loaded: Any, tool_url: str, vllm_url: str) ->
 def measure_demo(backend: str, loaded_dtype: str, steps: int, vllm_url: str, device: str) -> dict[str, Any]:
     from app.graders.core import GraderContext
     from benchmarks.demo_learning import run as demo
-    from workers.rl.models import load_model
-    from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer
+    from workers.models.loading import load_model
+    from workers.engine.tools_client import ToolClient
+    from workers.methods.reinforcement.trainer import Trainer
 
     settings = demo.demo_settings()
     settings["training"]["steps"] = steps
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         url = args.vllm_url or stack.enter_context(started_vllm())
         if "rollouts" in parts:
             from tests.rl.tool_server import tool_server
-            from workers.rl.models import load_model
+            from workers.models.loading import load_model
 
             loaded = load_model(MODEL, dtype=args.dtype, device=args.device)
             tool_url, _ = stack.enter_context(tool_server(latency_s=0.2))

@@ -3,8 +3,8 @@
 Everything runs in-process and for real, with exactly the demo's settings
 (examples/financial_reports/demo_config.py, read by `demo_settings`): the synthetic corpus of
 examples/financial_reports, its tool server (search / list / cat) and its grader server under
-uvicorn on 127.0.0.1, the browsing traces, workers.sft's supervised trainer, the rollout engine and
-workers.rl.trainer.Trainer with in-memory hooks. No Celery, no API: what is measured is the
+uvicorn on 127.0.0.1, the browsing traces, workers.methods.supervised's supervised trainer, the rollout engine and
+workers.methods.reinforcement.trainer.Trainer with in-memory hooks. No Celery, no API: what is measured is the
 learning, not the plumbing.
 
     .venv/bin/python -m benchmarks.demo_learning.run train [--seeds 0 1 2]
@@ -46,7 +46,7 @@ def demo_settings() -> dict[str, Any]:
     from dataclasses import asdict
 
     from examples.financial_reports.demo_config import CORRECT_ANSWER, DEMO, dtype
-    from workers.rl.hyperparameters import group_size_for
+    from workers.methods.reinforcement.hyperparameters import group_size_for
 
     x, sft = DEMO.x_open_model, DEMO.sft_x_open_model
     return {
@@ -97,7 +97,7 @@ def tool_endpoints(port: int) -> list[dict[str, Any]]:
 
 
 def engine_config(settings: dict[str, Any]) -> Any:
-    from workers.rl.rollout import EngineConfig
+    from workers.engine.rollout import EngineConfig
 
     return EngineConfig(**settings["engine"])
 
@@ -116,11 +116,11 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
     training see the same draws."""
     from app.graders.core import GraderContext
     from examples.financial_reports.server import TOOL_SCHEMAS
-    from workers.rl.prompting import ChatFormatter
-    from workers.rl.rollout import RolloutEngine, RolloutSpec
-    from workers.rl.toolcalls import ToolSchema
-    from workers.rl.data import rollout_seed
-    from workers.rl.grading import grade_rollouts
+    from workers.engine.prompting import ChatFormatter
+    from workers.engine.rollout import RolloutEngine, RolloutSpec
+    from workers.engine.toolcalls import ToolSchema
+    from workers.training.data import rollout_seed
+    from workers.engine.grading import grade_rollouts
 
     schemas = [ToolSchema.from_openai(t) for t in TOOL_SCHEMAS]
     specs = [RolloutSpec(i, row["messages"], schemas, {key: v for key, v in row.items() if key != "messages"},
@@ -145,8 +145,8 @@ def sub_rewards(graded: Any) -> dict[str, float]:
 
 def metrics(results: list[dict[str, Any]]) -> dict[str, float]:
     """What the demo's table shows, per rollout: correct answers, tool calls (by tool), tokens
-    written and read, seconds, answered within the budget (workers.rl.summary over the records)."""
-    from workers.rl.summary import summarize
+    written and read, seconds, answered within the budget (workers.engine.summary over the records)."""
+    from workers.engine.summary import summarize
 
     summary = summarize([r["record"] for r in results])
     by_tool = summary["tool_calls_per_rollout_by_tool"]
@@ -205,7 +205,7 @@ class QuietHooks:
 
 
 def training_config(settings: dict[str, Any], n_train: int, seed: int) -> Any:
-    from workers.rl.hyperparameters import TrainingConfig
+    from workers.methods.reinforcement.hyperparameters import TrainingConfig
 
     t = settings["training"]
     n_epochs = math.ceil(t["steps"] * t["batch_size"] / n_train)  # at least `steps`; the hooks stop there
@@ -230,8 +230,8 @@ class SupervisedHooks(QuietHooks):
 
 async def starting_agent(settings: dict[str, Any], loaded: Any, traces: list[dict], seed: int, work_dir: Path) -> dict:
     """Supervised fine-tuning on the browsing traces, in place on `loaded` (a LoRA adapter)."""
-    from workers.sft.hyperparameters import SupervisedConfig
-    from workers.sft.trainer import SupervisedTrainer
+    from workers.methods.supervised.hyperparameters import SupervisedConfig
+    from workers.methods.supervised.trainer import SupervisedTrainer
 
     s = settings["supervised"]
     config = SupervisedConfig(batch_size=s["batch_size"], n_epochs=s["n_epochs"], learning_rate=s["learning_rate"],
@@ -255,7 +255,7 @@ async def reinforce(settings: dict[str, Any], loaded: Any, client: Any, grader_u
     from app.graders.core import GraderContext
     from app.graders.schemas import Grader
     from examples.financial_reports.demo_config import grader_spec
-    from workers.rl.trainer import Trainer
+    from workers.methods.reinforcement.trainer import Trainer
 
     config = training_config(settings, len(train_rows), seed)
     config = replace(config, eval_interval=10_000 * config.n_epochs)
@@ -283,8 +283,8 @@ async def train_one_seed(settings: dict[str, Any], port: int, grader_url: str, t
     rollout seeds."""
     from examples.financial_reports.demo_task import split_by_company
     from examples.financial_reports.traces import browsing_traces, tool_calls_of
-    from workers.rl.models import load_model
-    from workers.rl.tools_client import ToolClient
+    from workers.models.loading import load_model
+    from workers.engine.tools_client import ToolClient
 
     loaded = load_model(settings["model"], dtype=settings["dtype"])
     k = settings["eval"]["rollouts_per_question"]
@@ -407,8 +407,8 @@ def serve_grader(stack: ExitStack, tools_port: int, settings: dict[str, Any]) ->
 
 
 async def measure_signal(settings: dict[str, Any], port: int, rows: list[dict], k: int) -> dict[str, Any]:
-    from workers.rl.models import load_model
-    from workers.rl.tools_client import ToolClient
+    from workers.models.loading import load_model
+    from workers.engine.tools_client import ToolClient
 
     loaded = load_model(settings["model"], dtype=settings["dtype"])
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:

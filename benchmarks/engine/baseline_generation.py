@@ -1,6 +1,6 @@
 """THE BASELINE of benchmarks/engine, frozen: generate_batch as it was before continuous batching
-(commit 853212f), measured side by side with workers/rl/generation.py, and the update's forward of
-that commit (`token_logprobs`), against workers/rl/trainer.py. Not used by the product.
+(commit 853212f), measured side by side with workers/engine/generation.py, and the update's forward of
+that commit (`token_logprobs`), against workers/methods/reinforcement/trainer.py. Not used by the product.
 
 Batched sampling with a KV cache, left padding, per-rollout seeds, and the log-prob of every
 sampled token (token-in/token-out: the ids and log-probs are kept exactly as sampled).
@@ -154,7 +154,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], *, temperatu
 
 
 def token_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
-    """The update's forward as it was before the engine's speed-ups (commit 853212f, workers/rl/trainer.py): the
+    """The update's forward as it was before the engine's speed-ups (commit 853212f, workers/methods/reinforcement/trainer.py): the
     vocabulary projection and log-softmax on every position any row of the micro-batch samples at,
     for every row, and LoRA adapters run in float32 (peft's cast of every activation)."""
     output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

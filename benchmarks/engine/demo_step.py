@@ -45,8 +45,8 @@ def child(steps: int) -> dict[str, Any]:
     import torch
 
     from benchmarks.demo_learning import run as demo
-    from workers.rl import rollout as rollout_module
-    from workers.rl import trainer as trainer_module
+    from workers.engine import rollout as rollout_module
+    from workers.methods.reinforcement import trainer as trainer_module
 
     torch.set_num_threads(2)
     captured: list[dict[str, Any]] = []
@@ -100,9 +100,9 @@ async def _train(demo: Any, settings: dict[str, Any], port: int, train_rows: lis
     from dataclasses import replace
 
     from app.graders.core import GraderContext
-    from workers.rl.models import load_model
-    from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer
+    from workers.models.loading import load_model
+    from workers.engine.tools_client import ToolClient
+    from workers.methods.reinforcement.trainer import Trainer
 
     loaded = load_model(settings["model"], dtype=settings["dtype"])
     async with ToolClient(demo.tool_endpoints(port), allowlist=["127.0.0.1"]) as client:

@@ -1,7 +1,7 @@
 """Engine benchmark: the training engine's old and new paths interleaved in one run, medians.
 
 On the LoRA-wrapped SmolLM2-135M in bfloat16 where the CPU has native bf16, LoRA B not zero:
-- sampling with a contiguous input to the output layer (workers/rl/models.py
+- sampling with a contiguous input to the output layer (workers/models.py
   `contiguous_head_input`) against the previous path (the hook removed): 16 rows of ~458 prompt
   tokens, 48 new tokens; tokens and log-probs compared;
 - bf16 log-probs of each path against a float32 copy of the model (what merging does);
@@ -32,12 +32,12 @@ import torch
 import random
 
 from benchmarks.engine import baseline_generation as baseline
-from workers.rl import cpu_kernels, lean_decode
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import (ATTENTION, HEAD_HOOK, adapters_in_model_dtype, apply_lora, contiguous_head_input,
-                               load_model, merged_lora_weights, native_bf16_cpu,
-                               sampling_weights)
-from workers.rl.update import TrainSequence, collate, micro_batches, token_logprobs
+from workers.models.cpu import cpu_kernels, lean_decode
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.cpu.cpu_speedups import adapters_in_model_dtype, merged_lora_weights, sampling_weights
+from workers.models.loading import ATTENTION, HEAD_HOOK, contiguous_head_input, load_model, native_bf16_cpu
+from workers.models.lora import apply_lora
+from workers.training.sequences import TrainSequence, collate, micro_batches, token_logprobs
 
 PARTS = ("head", "numerics", "decode", "update")
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"

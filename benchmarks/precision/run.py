@@ -42,10 +42,10 @@ DTYPES = ("float32", "bfloat16")
 async def measure(dtype: str, settings: dict[str, Any], port: int, rows: list[dict], group: int,
                   common: list[Any] | None, repeats: int, work_dir: Path) -> tuple[dict[str, Any], list[Any]]:
     from app.graders.core import GraderContext
-    from workers.rl.models import load_model
-    from workers.rl.tools_client import ToolClient
-    from workers.rl.trainer import Trainer
-    from workers.rl.update import TrainSequence
+    from workers.models.loading import load_model
+    from workers.engine.tools_client import ToolClient
+    from workers.methods.reinforcement.trainer import Trainer
+    from workers.training.sequences import TrainSequence
 
     loaded = load_model(settings["model"], dtype=dtype)
     async with ToolClient(demo_learning.tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
@@ -78,7 +78,7 @@ async def measure(dtype: str, settings: dict[str, Any], port: int, rows: list[di
 
 
 def demo_learning_spec(trainer: Any, row: int, k: int) -> Any:
-    from workers.rl.data import rollout_seed, spec_for
+    from workers.training.data import rollout_seed, spec_for
 
     return spec_for(trainer.train_prompts[row], rollout_seed(0, "precision", row, k))
 
@@ -101,7 +101,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from workers.rl.models import native_bf16_cpu
+    from workers.models.loading import native_bf16_cpu
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=4)

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from tests.rl.tool_server import tool_server
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.toolcalls import ToolSchema
-from workers.rl.tools_client import ToolClient
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.toolcalls import ToolSchema
+from workers.engine.tools_client import ToolClient
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "rollouts.json"
 TOOLS = [ToolSchema("search", "Search", {"type": "object", "properties": {"query": {"type": "string"}}}),

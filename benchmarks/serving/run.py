@@ -144,7 +144,8 @@ def make_adapters(root: Path, count: int) -> list[str]:
     """LoRA adapters of SmolLM2 as the trainer saves them (rank 16 on the attention projections)."""
     import torch
 
-    from workers.rl.models import apply_lora, load_model
+    from workers.models.loading import load_model
+    from workers.models.lora import apply_lora
 
     paths = []
     for k in range(count):
@@ -239,8 +240,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from workers.rl.models import load_tokenizer
-    from workers.rl.prompting import ChatFormatter
+    from workers.models.loading import load_tokenizer
+    from workers.engine.prompting import ChatFormatter
 
     prompt_tokens = len(ChatFormatter(load_tokenizer(MODEL)).prompt_ids(prompt(0)))
     procs = []

@@ -16,8 +16,8 @@ from typing import Any
 from workers.inference.backend import ChoiceRow, Pending, QueueFull, retry_after, running_mean
 from workers.inference.chat import BadChatRequest, ChoiceStream, finish_choice, plan
 from workers.inference.pool import ModelPool, ModelUnavailable, ServedModel
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import release_freed_memory
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.loading import release_freed_memory
 
 log = logging.getLogger(__name__)
 

@@ -206,11 +206,11 @@ def make_policy(tokenizer: Any) -> Any:
 
 
 def child(tree: Path, url: str, extra: dict[str, Any]) -> dict[str, Any]:
-    from workers.rl import tools_client
-    from workers.rl.models import load_model
-    from workers.rl.prompting import ChatFormatter
-    from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-    from workers.rl.toolcalls import ToolSchema
+    from workers.engine import tools_client
+    from workers.models.loading import load_model
+    from workers.engine.prompting import ChatFormatter
+    from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+    from workers.engine.toolcalls import ToolSchema
 
     source = Path(tools_client.__file__).resolve()
     assert source.is_relative_to(tree.resolve()), f"{source} is not from {tree}"

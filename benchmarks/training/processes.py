@@ -1,4 +1,4 @@
-"""One policy update on 1 and on N training processes (workers/distributed: the data-parallel step
+"""One policy update on 1 and on N training processes (workers/training/distributed: the data-parallel step
 a job takes with AGENT_RFT_TRAINING_PROCESSES=N): seconds per step and peak memory per process,
 each configuration in a fresh process so that its memory is its own.
 
@@ -28,7 +28,7 @@ RESULTS = REPO / "benchmarks" / "results" / "training_processes_{mode}.json"
 
 def sequences(n: int, prompt_tokens: int, sampled_tokens: int, seed: int = 0) -> list[Any]:
     """`n` rollouts with the shape of an agent's: a long prompt and tool output, fewer sampled tokens."""
-    from workers.rl.update import TrainSequence
+    from workers.training.sequences import TrainSequence
 
     rng = random.Random(seed)
     out = []
@@ -46,8 +46,9 @@ class Stepper:
     def __init__(self, group: Any, options: dict[str, Any]) -> None:
         import torch
 
-        from workers.rl.models import load_model, training_mode
-        from workers.rl.update import LossSettings
+        from workers.models.loading import load_model
+        from workers.models.lora import training_mode
+        from workers.methods.reinforcement.update import LossSettings
 
         if options["threads"]:
             torch.set_num_threads(options["threads"])
@@ -62,7 +63,7 @@ class Stepper:
     def step(self, parts: list[list[Any]], n: int) -> dict[str, float]:
         import torch
 
-        from workers.rl.update import policy_update
+        from workers.methods.reinforcement.update import policy_update
 
         started = time.perf_counter()
         stats = policy_update(self.model, self.optimizer, parts[self.group.rank], settings=self.settings,
@@ -86,15 +87,15 @@ def peak_mb(options: dict[str, Any]) -> float:
 def follow(group: Any, options: dict[str, Any]) -> None:
     import asyncio
 
-    from workers.distributed.launch import serve_commands
+    from workers.training.distributed.launch import serve_commands
 
     asyncio.run(serve_commands(group, Stepper(group, options)))
 
 
 def one_configuration(options: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 of `options["processes"]`: warm-up, then timed steps over the same sequences."""
-    from workers.distributed.group import OneProcess, Rendezvous, shares
-    from workers.distributed.launch import TrainingProcesses, backend_for, free_port
+    from workers.training.distributed.group import OneProcess, Rendezvous, shares
+    from workers.training.distributed.launch import TrainingProcesses, backend_for, free_port
 
     n = options["processes"]
     processes = None

@@ -1,7 +1,7 @@
 """One GRPO training step: our trainer against TRL's GRPOTrainer, on the CPU, side by side.
 
 Both train the same model (tiny-smollm2, the same weights and tokenizer, via
-workers.rl.models.load_model) on the same single-turn toy task with the same shape of step:
+workers.models.load_model) on the same single-turn toy task with the same shape of step:
 `--prompts` prompts × `--group` completions each, at most `--max-tokens` sampled tokens per
 completion (ours: max_tokens_per_turn = max_tokens_per_rollout; TRL: max_completion_length),
 temperature 1, LoRA rank 16 / alpha 32 on q/k/v/o (TRL via peft_config; `--mode full` trains
@@ -128,11 +128,11 @@ class TimingHooks:
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     from app.graders.core import GraderContext
     from tests.rl.tool_server import tool_server
-    from workers.rl.models import load_model
-    from workers.rl.rollout import EngineConfig
-    from workers.rl.tools_client import ToolClient
-    from workers.rl.hyperparameters import TrainingConfig
-    from workers.rl.trainer import Trainer
+    from workers.models.loading import load_model
+    from workers.engine.rollout import EngineConfig
+    from workers.engine.tools_client import ToolClient
+    from workers.methods.reinforcement.hyperparameters import TrainingConfig
+    from workers.methods.reinforcement.trainer import Trainer
 
     total_steps = args.steps + 1  # the warm-up step, then the timed ones
     config = TrainingConfig(
@@ -188,7 +188,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from app.graders.implementations.text_similarity import similarity
-    from workers.rl.models import load_model
+    from workers.models.loading import load_model
 
     class StepTimer(TrainerCallback):
         """Times each optimizer step from on_step_begin to on_step_end: setup and logging excluded."""

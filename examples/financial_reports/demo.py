@@ -305,7 +305,7 @@ def write_traces(demo: Demo, paths: dict[str, Path]) -> None:
 
     from examples.financial_reports.corpus import write_jsonl
     from examples.financial_reports.traces import browsing_traces, tool_calls_of
-    from workers.rl.tools_client import ToolClient
+    from workers.engine.tools_client import ToolClient
 
     cfg = demo.config
     rows = [json.loads(line) for line in paths["questions"].read_text().splitlines()]
@@ -375,7 +375,7 @@ def use_trained_model(demo: Demo, client: openai.OpenAI, model: str, paths: dict
     send the results back until it answers, as training's episodes did (the same tool budget, the
     same notice once it is spent); print the snippet that asks the same."""
     from examples.financial_reports.server import TOOL_SCHEMAS  # the job's tools, in OpenAI's format
-    from workers.rl.prompting import budget_spent_message
+    from workers.engine.prompting import budget_spent_message
 
     row = json.loads(paths["held_out"].read_text().splitlines()[0])
     item = {k: v for k, v in row.items() if k not in ("messages", "tools")}

@@ -99,7 +99,7 @@ def dtype(cfg: DemoConfig) -> str:
         return "float32"
     import torch
 
-    from workers.rl.models import native_bf16_cpu
+    from workers.models.loading import native_bf16_cpu
 
     return "bfloat16" if torch.cuda.is_available() or native_bf16_cpu() else "float32"
 

@@ -232,18 +232,18 @@ def test_plotly_js_is_served_from_the_installed_package(client):
 
 def test_chart_specs_draw_the_trainers_metric_keys():
     """The keys the charts draw are the ones the trainer reports: `tools.*` from the real
-    summary of real rollout records, the rest named in workers/rl/step_report.py; so a renamed
+    summary of real rollout records, the rest named in workers/methods/reinforcement/step_report.py; so a renamed
     metric cannot leave a chart silently empty."""
     from app.dashboard.charts import charted_keys
     from app.jobs.worker_service import flatten_metrics
-    from workers.rl.rollout import RolloutRecord, ToolCallRecord
-    from workers.rl.summary import summarize
+    from workers.engine.rollout import RolloutRecord, ToolCallRecord
+    from workers.engine.summary import summarize
 
     call = ToolCallRecord(call_id="c1", name="search", arguments="{}", status="ok", status_code=200,
                           latency_s=0.1, bytes=3, error=None, concurrency=16)  # as the tool client records it
     tools = flatten_metrics({"tools": summarize([RolloutRecord(trace_id="t", sample_index=0, messages=[],
                                                                tool_calls=[call])])})
-    trainer = (APP_DIR.parents[1] / "workers" / "rl" / "step_report.py").read_text()
+    trainer = (APP_DIR.parents[1] / "workers" / "methods" / "reinforcement" / "step_report.py").read_text()
     exact, prefixes, _ = charted_keys("reinforcement")
     for key in exact + prefixes:
         if key.startswith("tools."):
@@ -261,6 +261,22 @@ def test_supervised_charts_draw_the_supervised_trainers_metric_keys():
     exact, prefixes, _ = charted_keys("supervised")
     assert exact and not prefixes and set(exact) <= set(reported)
     assert not {c["id"] for c in chart_specs("supervised")} & {c["id"] for c in chart_specs("reinforcement")}
+
+
+def test_dpo_charts_draw_the_dpo_trainers_metric_keys():
+    """Every key a DPO chart draws is one the DPO trainer reports at its last step, and each method
+    draws its own charts."""
+    from app.jobs.worker_service import flatten_metrics
+    from workers.methods.dpo.loss import PairScores
+    from workers.methods.dpo.trainer import step_metrics
+
+    scores = PairScores(pairs=4, loss=2.4, correct=3, chosen_reward=0.2, rejected_reward=-0.4, logprob_margin=8.0,
+                        learned_tokens=40, grad_norm=0.5)
+    reported = flatten_metrics(step_metrics(4, 4, scores, scores, scores, learning_rate=5e-5, step_s=0.3))
+    exact, prefixes, _ = charted_keys("dpo")
+    assert exact and not prefixes and set(exact) <= set(reported)
+    ids = {method: {c["id"] for c in chart_specs(method)} for method in ("reinforcement", "supervised", "dpo")}
+    assert not ids["dpo"] & (ids["supervised"] | ids["reinforcement"]) and chart_specs("no-such-method") == []
 
 
 def config_of(html: str) -> dict:
@@ -326,7 +342,7 @@ def test_a_reinforcement_jobs_page_keeps_its_reward_panels(client, project, runn
 
 
 def test_finish_reasons_match_the_rollout_engine():
-    from workers.rl.rollout import FINISH_REASONS as ENGINE_REASONS
+    from workers.engine.rollout import FINISH_REASONS as ENGINE_REASONS
 
     assert FINISH_REASONS == ENGINE_REASONS
 

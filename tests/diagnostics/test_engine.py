@@ -1,4 +1,4 @@
-"""workers/rl/diagnostic.py with the real rollout engine, a real tool server and a real endpoint
+"""workers/methods/reinforcement/diagnostic.py with the real rollout engine, a real tool server and a real endpoint
 grader; the policy is scripted (tests/rl/policies.py), so every tool call is known."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from app.jobs.schemas import TrainingOptions
 from tests.diagnostics.scripted_grader import scripted_grader
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
-from workers.rl.data import job_tool_schemas, prompts_from_rows, rollout_seed
-from workers.rl.diagnostic import load_basis, run_diagnostic, select_samples
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine
-from workers.rl.toolcalls import HermesParser
-from workers.rl.tools_client import ToolClient
+from workers.training.data import job_tool_schemas, prompts_from_rows, rollout_seed
+from workers.methods.reinforcement.diagnostic import load_basis, run_diagnostic, select_samples
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine
+from workers.engine.toolcalls import HermesParser
+from workers.engine.tools_client import ToolClient
 
 TOOLS = [{"name": name, "description": name, "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
          for name in ("search", "cat")]

@@ -1,4 +1,4 @@
-"""Data-parallel steps (workers/distributed): one update on 2 training processes (gloo, on the CPU)
+"""Data-parallel steps (workers/training/distributed): one update on 2 training processes (gloo, on the CPU)
 equals the update on 1 process over the same sequences (loss and weights after the step), for
 LoRA and for full fine-tuning; a follower that dies is named, with how it ended."""
 
@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.distributed.group import OneProcess, RankLost, Rendezvous, shares
-from workers.distributed.launch import TrainingProcesses, free_port, serve_commands
-from workers.rl.models import load_model, training_mode
-from workers.rl.update import LossSettings, TrainSequence, UpdateStats, policy_update
+from workers.training.distributed.group import OneProcess, RankLost, Rendezvous, shares
+from workers.training.distributed.launch import TrainingProcesses, free_port, serve_commands
+from workers.models.loading import load_model
+from workers.models.lora import training_mode
+from workers.methods.reinforcement.update import LossSettings, UpdateStats, policy_update
+from workers.training.sequences import TrainSequence
 
 SETTINGS = LossSettings("grpo", clip_epsilon=0.2, kl_coef=0.0, temperature=1.0, token_budget=64)
 
@@ -172,11 +174,11 @@ def method_trainer(method: str, work_dir: Path, group=None, loaded=None):  # noq
     """A 2-step run of `method` on the tiny model, and its FollowerJob (what a follower builds it from)."""
     from tests.dpo.test_dpo_trainer import pair_row
     from tests.sft.test_supervised_trainer import rows as chat_rows
-    from workers.distributed.follower import FollowerJob
-    from workers.dpo.hyperparameters import DpoConfig
-    from workers.dpo.trainer import DpoTrainer
-    from workers.sft.hyperparameters import SupervisedConfig
-    from workers.sft.trainer import SupervisedTrainer
+    from workers.training.distributed.follower import FollowerJob
+    from workers.methods.dpo.hyperparameters import DpoConfig
+    from workers.methods.dpo.trainer import DpoTrainer
+    from workers.methods.supervised.hyperparameters import SupervisedConfig
+    from workers.methods.supervised.trainer import SupervisedTrainer
 
     options = {"batch_size": 4, "n_epochs": 2, "learning_rate": 1e-2, "eval_interval": 2, "training_mode": "lora",
                "lora_rank": 8, "lora_alpha": 16, "micro_batch_tokens": 256}
@@ -185,7 +187,7 @@ def method_trainer(method: str, work_dir: Path, group=None, loaded=None):  # noq
     else:
         trainer_class, config, rows = SupervisedTrainer, SupervisedConfig(**options), chat_rows()[:4]
     args = {"config": config, "train_rows": rows, "valid_rows": rows[:2], "work_dir": work_dir, "resume_state": None}
-    follower = FollowerJob(method, "tiny-smollm2", None, "float32", "lora", 1, args)
+    follower = FollowerJob(f"workers.methods.{method}", "tiny-smollm2", None, "float32", "lora", 1, args)
     return (lambda hooks: trainer_class(loaded=loaded or load_model("tiny-smollm2", dtype="float32"), hooks=hooks,
                                         group=group, **args)), follower
 
@@ -195,7 +197,7 @@ def test_a_supervised_or_dpo_run_on_two_processes_is_the_run_on_one(tmp_path: Pa
     import asyncio
 
     from tests.rl.test_trainer import RecordingHooks
-    from workers.distributed.follower import follow
+    from workers.training.distributed.follower import follow
 
     torch.set_num_threads(1)
     alone, hooks_one = method_trainer(method, tmp_path / "one")[0], RecordingHooks()

@@ -14,14 +14,15 @@ from types import SimpleNamespace
 import pytest
 
 from tests.rl.test_trainer import RecordingHooks
-from workers.dpo.data import pairs_from_rows
-from workers.dpo.hyperparameters import DpoConfig, resolve_dpo
-from workers.dpo.trainer import DpoTrainer
-from workers.rl.models import load_model, load_start
-from workers.rl.prompting import ChatFormatter
-from workers.sft.data import BadExample, render_example
-from workers.sft.hyperparameters import SupervisedConfig
-from workers.sft.trainer import SupervisedTrainer
+from workers.methods.dpo.data import pairs_from_rows
+from workers.methods.dpo.hyperparameters import DpoConfig, resolve_dpo
+from workers.methods.dpo.trainer import DpoTrainer
+from workers.models.loading import load_model
+from workers.models.lora import load_start
+from workers.engine.prompting import ChatFormatter
+from workers.methods.supervised.data import BadExample, render_example
+from workers.methods.supervised.hyperparameters import SupervisedConfig
+from workers.methods.supervised.trainer import SupervisedTrainer
 
 TINY = "tiny-smollm2"
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object",

@@ -14,10 +14,10 @@ from examples.financial_reports import demo_task
 from examples.financial_reports.server import create_app
 from examples.financial_reports.traces import BROWSING_PROMPT, browsing_traces
 from tests.conftest import serve_app
-from workers.rl.models import load_tokenizer
-from workers.rl.prompting import ChatFormatter
-from workers.rl.tools_client import ToolClient
-from workers.sft.data import render_example
+from workers.models.loading import load_tokenizer
+from workers.engine.prompting import ChatFormatter
+from workers.engine.tools_client import ToolClient
+from workers.methods.supervised.data import render_example
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from examples.financial_reports.server import TOOL_SCHEMAS, create_app
 from examples.financial_reports.synthetic import generate, write_synthetic
 from examples.financial_reports.tatqa import write_tatqa
 from tests.conftest import serve_app
-from workers.rl.tools_client import ToolClient
+from workers.engine.tools_client import ToolClient
 
 TATQA_DEV = Path(__file__).resolve().parents[2].parent / "shared/data/tatqa/tatqa_dataset_dev.json"
 
@@ -178,7 +178,7 @@ def test_search_finds_the_named_companys_report(tool_url: str, corpus: Path) -> 
 def test_search_can_end_with_the_call_that_reads_its_top_hit(tool_url: str, corpus: Path, tmp_path: Path) -> None:
     """benchmarks/demo_learning --search-suggests-cat: the call is written out for a model to copy,
     and the engine's parser reads it as the cat of the top hit's report."""
-    from workers.rl.toolcalls import HermesParser, as_tool_schemas
+    from workers.engine.toolcalls import HermesParser, as_tool_schemas
 
     with serve_app(create_app(corpus, index_cache_dir=tmp_path, suggest_cat=True)) as port:
         url = f"http://127.0.0.1:{port}"

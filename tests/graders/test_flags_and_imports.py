@@ -50,7 +50,7 @@ def test_a_sandbox_that_cannot_start_is_a_python_grader_server_error(monkeypatch
 
 @pytest.mark.parametrize("modules", [
     "app.graders.core, app.graders.implementations, app.graders.batch, app.graders.schemas",
-    "workers.celery_app, workers.rl.toolcalls, workers.rl.tools_client, app.graders.batch",
+    "workers.celery_app, workers.engine.toolcalls, workers.engine.tools_client, app.graders.batch",
 ])
 def test_importing_graders_pulls_in_no_web_framework_and_no_torch(modules):
     code = (f"import {modules}\nimport sys\n"

@@ -461,7 +461,7 @@ def test_graders_that_throttle_get_fewer_requests_at_once(judge):
 def test_a_steps_grader_load_counts_the_throttled_answers_of_that_step_only(judge):
     """The trainer's `graders` step metrics: throttled answers and waits between two snapshots
     (one step's grading), the URL's concurrency limit as it stands."""
-    from workers.rl.step_report import GraderLoad
+    from workers.methods.reinforcement.step_report import GraderLoad
 
     scripted, base_url = judge
     config = GRADER.validate_python(endpoint_grader(base_url))
@@ -701,7 +701,7 @@ def test_graders_run_refuses_a_url_the_ssrf_guard_refuses_and_says_why(settings,
 
 
 def test_local_smollm2_judge():
-    models = pytest.importorskip("workers.rl.models", reason="workers.rl.models (the model registry) is not written yet")
+    models = pytest.importorskip("workers.models", reason="workers.models (the model registry) is not written yet")
     assert hasattr(models, "load_model")
     ctx = GraderContext(judge_local_model="SmolLM2-135M-Instruct")
     config = score_grader(sampling_params={"max_completions_tokens": 24})

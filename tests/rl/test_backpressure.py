@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from app.core.concurrency import AdaptiveLimit
 from app.core.retry import async_retrying, retry_after_s, throttle_wait_s
 from tests.conftest import serve_app
-from workers.rl.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
+from workers.engine.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
 
 LOCAL = ["127.0.0.1"]
 FAST = ToolClientOptions(backoff_base_s=0.01, backoff_max_s=0.02, connect_timeout_s=2, read_timeout_s=5)
@@ -255,10 +255,10 @@ def rollouts(server: BusyTool, n: int, config: Any = None) -> tuple[list[Any], d
     """`n` rollouts whose first turn calls `search` (`retries: 0`) and whose second answers, and
     the tool client's stats after."""
     from tests.rl.policies import ScriptedPolicy
-    from workers.rl.models import load_model
-    from workers.rl.prompting import ChatFormatter
-    from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-    from workers.rl.toolcalls import ToolSchema
+    from workers.models.loading import load_model
+    from workers.engine.prompting import ChatFormatter
+    from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+    from workers.engine.toolcalls import ToolSchema
 
     tokenizer = load_model("tiny-smollm2").tokenizer
     schema = ToolSchema("search", "Search", {"type": "object", "properties": {"query": {"type": "string"}}})
@@ -282,7 +282,7 @@ def test_rollouts_are_kept_and_the_waits_reach_the_step_metrics(server: BusyTool
     counts the throttled answers, the seconds waited and the concurrency."""
     from app.dashboard.charts import charted_keys
     from app.jobs.worker_service import flatten_metrics
-    from workers.rl.summary import summarize
+    from workers.engine.summary import summarize
 
     server.reset(throttle_first=4, retry_after="1")
     records, _ = rollouts(server, 8)
@@ -304,8 +304,8 @@ def test_throttling_is_counted_when_the_rollouts_deadline_cancels_the_call(serve
     cancels its call in the middle of the second wait: the rollout is a tool failure, and its
     record, the step's `tools` block and the client's stats count both throttled answers and the
     seconds actually waited (the cut-short wait only as far as it went, not the second it asked)."""
-    from workers.rl.rollout import EngineConfig
-    from workers.rl.summary import summarize
+    from workers.engine.rollout import EngineConfig
+    from workers.engine.summary import summarize
 
     server.reset(throttle_first=1000, retry_after="1")
     (record,), stats = rollouts(server, 1, EngineConfig(rollout_timeout_s=2.0))

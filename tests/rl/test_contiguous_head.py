@@ -4,8 +4,9 @@ in another order; in bfloat16 they are bit-identical, benchmarks/engine)."""
 
 from __future__ import annotations
 
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import HEAD_HOOK, apply_lora, contiguous_head_input, load_model
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.loading import HEAD_HOOK, contiguous_head_input, load_model
+from workers.models.lora import apply_lora
 
 
 def test_sampling_is_unchanged_and_the_head_sees_contiguous_input():

@@ -1,4 +1,4 @@
-"""Our CPU kernels (workers/rl/cpu_kernels.py).
+"""Our CPU kernels (workers/models/cpu/cpu_kernels.py).
 
 Decode attention: what softmax(q k^T) v computes in float64, to float32 rounding in float32 and to
 one rounding of the output in bfloat16, for the shapes decoding hands it (packed query heads,
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.rl import cpu_kernels
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import load_model
+from workers.models.cpu import cpu_kernels
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_rms_norm_declines_what_it_does_not_compute(kernel, monkeypatch):
 
 
 def test_sampling_runs_every_norm_on_the_kernel_and_puts_them_back(kernel, monkeypatch):
-    from workers.rl.models import fused_rms_norms
+    from workers.models.cpu.cpu_speedups import fused_rms_norms
 
     model = load_model("tiny-smollm2", dtype="float32").model.eval()
     requests = [GenerationRequest(list(range(100 + 3 * i, 140 + 11 * i)), max_new_tokens=6, seed=i) for i in range(3)]
@@ -285,7 +285,7 @@ def test_rotary_of_prefills_and_the_update_is_transformers_and_its_gradient_as_c
 def test_fused_rotary_replaces_transformers_function_while_any_block_is_open(kernel):
     from transformers.models.llama import modeling_llama
 
-    from workers.rl.models import fused_rotary
+    from workers.models.cpu.cpu_speedups import fused_rotary
 
     model = load_model("tiny-smollm2", dtype="bfloat16").model
     original = modeling_llama.apply_rotary_pos_emb

@@ -1,4 +1,4 @@
-"""The continuous-batching generator (workers/rl/generation.py::DecodeBatch) computes what generating
+"""The continuous-batching generator (workers/engine/generation.py::DecodeBatch) computes what generating
 each request on its own computes, while feeding fewer tokens: a group's shared prompt is prefilled
 once, a kept cache spares a turn its context, rows leave when done and join mid-run. In float32 the
 tokens are the same and log-probs agree to float32 rounding (another batch shape sums in another
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.rl.generation import DecodeBatch, GenerationRequest, generate_batch
-from workers.rl.models import load_model
+from workers.engine.generation import DecodeBatch, GenerationRequest, generate_batch
+from workers.models.loading import load_model
 
 TOLERANCE = 1e-4
 
@@ -107,8 +107,8 @@ def test_decoding_rows_of_different_lengths_packs_query_heads_and_matches_plain_
     the packed queries go to it instead, tests/rl/test_cpu_kernels.py.)"""
     import torch
 
-    from workers.rl import cpu_kernels
-    from workers.rl.models import ATTENTION
+    from workers.models.cpu import cpu_kernels
+    from workers.models.loading import ATTENTION
 
     monkeypatch.setenv(cpu_kernels.DISABLE, "0")
 
@@ -136,14 +136,14 @@ def test_decoding_rows_of_different_lengths_packs_query_heads_and_matches_plain_
 
 
 def test_a_random_weight_model_under_a_schema_writes_json_that_fits_it():
-    """Structured outputs (workers/rl/constraints.py): whatever the weights, every sampled token keeps
+    """Structured outputs (workers/engine/constraints.py): whatever the weights, every sampled token keeps
     the text inside the schema, and the row stops once the value is complete; an unconstrained row
     of the same batch samples freely."""
     import json
 
     import jsonschema
 
-    from workers.rl.constraints import Constraint, json_grammar
+    from workers.engine.constraints import Constraint, json_grammar
 
     loaded = load_model("tiny-smollm2", dtype="float32")
     schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},

@@ -1,4 +1,4 @@
-"""The lean decode step (workers.rl.lean_decode): inside models.sampling_weights decode steps run
+"""The lean decode step (workers.models.cpu.lean_decode): inside models.sampling_weights decode steps run
 without transformers' modules and give the model's own tokens and log-probs, bit for bit; where
 it does not apply the model runs as it is; it is gone after the block."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.rl.test_sampling_weights import trained_policy
-from workers.rl import cpu_kernels, lean_decode
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import native_bf16_cpu, sampling_weights
+from workers.models.cpu import cpu_kernels, lean_decode
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.cpu.cpu_speedups import sampling_weights
+from workers.models.loading import native_bf16_cpu
 
 # Rows of different lengths: left padding, so the step's attention has a mask.
 REQUESTS = [GenerationRequest(context_ids=list(range(100, 100 + n)), max_new_tokens=12, seed=i)
@@ -53,7 +54,7 @@ def test_no_lean_decoder_where_its_step_would_not_be_the_models():
 
 def run_joining_and_leaving(policy) -> dict[int, tuple[list[int], list[float]]]:  # noqa: ANN001
     """Rows of different lengths and budgets; two more join after three steps; rows leave as they end."""
-    from workers.rl.generation import DecodeBatch
+    from workers.engine.generation import DecodeBatch
 
     budgets = [3, 12, 7]
     first = [(i, GenerationRequest(context_ids=list(range(300, 300 + 4 + 3 * i)), max_new_tokens=n, seed=i))

@@ -17,8 +17,8 @@ from pydantic import TypeAdapter
 
 from app.graders.schemas import Grader
 from tests.rl.test_trainer import RecordingHooks, rows, target_word, tools_url, train  # noqa: F401 - fixtures
-from workers.rl.rollout import EngineConfig
-from workers.rl.hyperparameters import TrainingConfig
+from workers.engine.rollout import EngineConfig
+from workers.methods.reinforcement.hyperparameters import TrainingConfig
 
 STEPS = 8
 

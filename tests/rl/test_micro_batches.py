@@ -8,9 +8,10 @@ import random
 
 import torch
 
-from workers.rl.models import apply_lora, load_model
-from workers.rl.update import (LossSettings, TrainSequence, collate, feedable_prefix, micro_batch_loss, micro_batches,
-                              token_logprobs)
+from workers.models.loading import load_model
+from workers.models.lora import apply_lora
+from workers.methods.reinforcement.update import LossSettings, micro_batch_loss
+from workers.training.sequences import TrainSequence, collate, feedable_prefix, micro_batches, token_logprobs
 
 
 def sequences(n: int = 12) -> list[TrainSequence]:
@@ -138,7 +139,7 @@ def test_truncated_importance_sampling_weights_each_token_by_its_capped_ratio():
     plain ratio against them makes the PPO clip bind and the token gets no gradient; truncated
     importance sampling takes the ratio against the trainer's own log-probs and weights the token by
     min(p_trainer / p_sampler, cap) instead."""
-    from workers.rl.update import Collated
+    from workers.training.sequences import Collated
 
     gap = torch.tensor([[math.log(1.5), math.log(3.0), 0.0, -math.log(2.0)]])  # log p_trainer - log p_sampler
     trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])

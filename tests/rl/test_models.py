@@ -20,7 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, free_port
-from workers.rl.models import (
+from workers.models.loading import load_model
+from workers.models.lora import apply_lora, count_parameters, training_mode
+from workers.models.registry import (
     ATTENTION_PROJECTIONS,
     CACHE_MARKER,
     MLP_PROJECTIONS,
@@ -30,12 +32,8 @@ from workers.rl.models import (
     LoadedModel,
     ModelNotAvailable,
     UnknownModel,
-    apply_lora,
-    count_parameters,
     list_models,
-    load_model,
     packaged_gguf_path,
-    training_mode,
 )
 
 SAMPLE_TEXT = "The weather in Paris is 21°C; call get_weather(city) to check."
@@ -134,7 +132,7 @@ def test_two_processes_converting_at_once_convert_once(model_cache: ModelCache, 
     shutil.rmtree(model_cache.root / TINY_SMOLLM2)  # unlinked, so `tiny`'s mapped weights stay valid
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO); "
-        "from workers.rl.models import ensure_tiny_cached; from pathlib import Path; "
+        "from workers.models.registry import ensure_tiny_cached; from pathlib import Path; "
         "ensure_tiny_cached(Path(sys.argv[1]))"
     )
     workers = [
@@ -246,7 +244,7 @@ def test_hub_id_fails_fast_when_the_hub_is_unreachable(monkeypatch: pytest.Monke
 def test_resolving_names_does_not_import_torch() -> None:
     # The API validates model names; it must not pay for importing torch.
     code = (
-        "import sys; from workers.rl.models import resolve_model, list_models; "
+        "import sys; from workers.models.registry import resolve_model, list_models; "
         "resolve_model('SmolLM2-135M-Instruct'); list_models(); print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -333,7 +331,7 @@ def test_full_mode_trains_every_parameter(model_cache: ModelCache) -> None:
 
 FRAGMENTING_CHURN = """
 import json, threading, torch
-from workers.rl.models import release_freed_memory
+from workers.models.loading import release_freed_memory
 
 def rss_mb():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from workers.rl.models import packaged_gguf_path
-from workers.rl.prompting import (
+from workers.models.registry import packaged_gguf_path
+from workers.engine.prompting import (
     ChatFormatter,
     ChatTemplateError,
     assistant_message,
     feedback_message,
     tool_result_message,
 )
-from workers.rl.toolcalls import HermesParser, as_tool_schemas
+from workers.engine.toolcalls import HermesParser, as_tool_schemas
 
 WEATHER = {
     "type": "function",

@@ -12,11 +12,11 @@ import pytest
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
 from tests.rl.trained_adapter import MODEL, QUESTION, SEARCH, merged_policy
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.toolcalls import ToolSchema
-from workers.rl.tools_client import ToolClient, ToolClientOptions
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.toolcalls import ToolSchema
+from workers.engine.tools_client import ToolClient, ToolClientOptions
 
 TOOLS = [
     ToolSchema("search", "Search the reports", {"type": "object", "properties": {"query": {"type": "string"}},
@@ -110,7 +110,7 @@ def test_next_turns_after_staggered_tool_calls_share_one_batch(tokenizer):
 
 
 def test_budget_notice_repeats_a_long_question_cut_short():
-    from workers.rl.prompting import QUESTION_ECHO_CHARS, budget_spent_message
+    from workers.engine.prompting import QUESTION_ECHO_CHARS, budget_spent_message
 
     short = budget_spent_message([{"role": "system", "content": "sys"}, {"role": "user", "content": " What was X? "}])
     assert short == "You have used all your tool calls. Answer now, without calling tools. The question: What was X?"
@@ -195,7 +195,7 @@ def test_generation_is_batched_while_tools_run_concurrently(tokenizer):
 
 
 def test_sampled_logprobs_match_a_forward_pass_on_a_real_model():
-    from workers.rl.generation import sequence_logprobs
+    from workers.engine.generation import sequence_logprobs
 
     loaded = load_model("tiny-smollm2")
     with tool_server() as (url, _):
@@ -221,7 +221,7 @@ def test_under_a_response_format_the_trainer_scores_the_distribution_the_sampler
     sampler's, where the unmasked model's are larger in magnitude: the PPO ratio starts at 1."""
     import torch
 
-    from workers.rl.update import TrainSequence, collate, token_logprobs
+    from workers.training.sequences import TrainSequence, collate, token_logprobs
 
     loaded = load_model("tiny-smollm2", dtype="float32")
     answer_format = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
@@ -259,7 +259,7 @@ def test_smollm2_calls_a_real_tool_and_its_logprobs_match_a_forward_pass(tool_ca
     """The real 135M model, with an adapter trained to search (tests/rl/trained_adapter.py), calls the
     real tool server in its sampled rollouts and continues after the result; the multi-turn record
     keeps exact log-probs."""
-    from workers.rl.generation import sequence_logprobs
+    from workers.engine.generation import sequence_logprobs
 
     loaded = load_model(MODEL)
     policy = merged_policy(tool_calling_adapter)

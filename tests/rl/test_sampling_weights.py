@@ -11,12 +11,14 @@ import threading
 import torch
 
 from tests.rl.tool_server import tool_server
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import apply_lora, load_model, merged_lora_weights, packed_linear_weights
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.toolcalls import ToolSchema
-from workers.rl.tools_client import ToolClient
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.cpu.cpu_speedups import merged_lora_weights, packed_linear_weights
+from workers.models.loading import load_model
+from workers.models.lora import apply_lora
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.toolcalls import ToolSchema
+from workers.engine.tools_client import ToolClient
 
 SEARCH = ToolSchema("search", "Search", {"type": "object", "properties": {"query": {"type": "string"}}})
 
@@ -165,8 +167,9 @@ def test_the_cpu_speedups_are_neither_built_nor_applied_for_a_model_off_the_cpu(
     which has no kernels of its own either) nothing is compiled, registered or patched."""
     import pytest
 
-    from workers.rl import cpu_kernels
-    from workers.rl.models import ATTENTION, packed_decode_attention, sampling_weights
+    from workers.models.cpu import cpu_kernels
+    from workers.models.cpu.cpu_speedups import sampling_weights
+    from workers.models.loading import ATTENTION, packed_decode_attention
 
     def no_build() -> None:
         pytest.fail("the CPU kernels were asked for a model that is not on the CPU")
@@ -190,8 +193,8 @@ def test_on_a_gpu_rollouts_sample_without_the_cpu_unit(monkeypatch):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from workers.rl import cpu_kernels
-    from workers.rl.models import ATTENTION
+    from workers.models.cpu import cpu_kernels
+    from workers.models.loading import ATTENTION
 
     monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("CPU kernels built for a CUDA model"))
     loaded = load_model("tiny-smollm2", device="cuda")

@@ -14,9 +14,9 @@ import pytest
 
 from app.core.tracing import idempotency_key, w3c_trace_id
 from tests.rl.test_tools_client import FAST, LOCAL, ToolServer, endpoint, running, server  # noqa: F401 - fixtures
-from workers.rl.rollout import RolloutRecord, ToolCallRecord
-from workers.rl.summary import summarize
-from workers.rl.tools_client import ToolClient, ToolEndpoint, ToolResult
+from workers.engine.rollout import RolloutRecord, ToolCallRecord
+from workers.engine.summary import summarize
+from workers.engine.tools_client import ToolClient, ToolEndpoint, ToolResult
 
 TRACE = "trace_" + "0123456789abcdef" * 2
 TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-01$")

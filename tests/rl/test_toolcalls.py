@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from workers.rl.toolcalls import (
+from workers.engine.toolcalls import (
     ISSUE_KINDS,
     HermesParser,
     ParsedTurn,

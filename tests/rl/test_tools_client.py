@@ -1,4 +1,4 @@
-"""ToolClient (workers/rl/tools_client.py) against a real tool server on 127.0.0.1 that records
+"""ToolClient (workers/engine/tools_client.py) against a real tool server on 127.0.0.1 that records
 every request it receives: wire format, 4xx/5xx/timeout/connection handling, retries, the
 output size cap, per-tool concurrency, and the SSRF guard."""
 
@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 
 from tests.conftest import free_port, serve_app
-from workers.rl.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
+from workers.engine.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
 
 LOCAL = ["127.0.0.1"]
 FAST = ToolClientOptions(backoff_base_s=0.01, backoff_max_s=0.02, connect_timeout_s=2, read_timeout_s=5)
@@ -197,7 +197,7 @@ def test_a_closed_port_fails_after_retries(server: ToolServer) -> None:
 
 def test_408_and_429_are_retried_like_5xx_and_each_retry_is_logged(server: ToolServer, caplog) -> None:  # noqa: ANN001
     server.script("search", 429, 408, 200)
-    with caplog.at_level(logging.INFO, logger="workers.rl.tools_client"):
+    with caplog.at_level(logging.INFO, logger="workers.engine.tools_client"):
         result = call_once([endpoint(server, "search")], "search")
 
     assert (result.status, result.attempts, result.status_code) == ("ok", 3, 200)

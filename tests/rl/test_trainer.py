@@ -26,18 +26,20 @@ from app.jobs.schemas import ReinforcementHyperparameters
 from tests.conftest import serve_app
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.tool_server import tool_server
-from workers.rl.advantages import clipped_token_objective, clipped_tokens, group_advantages
-from workers.rl.generation import sequence_logprobs
-from workers.rl.models import LoadedModel, load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.toolcalls import ToolSchema
-from workers.rl.tools_client import ToolClient, ToolClientOptions
+from workers.methods.reinforcement.advantages import clipped_token_objective, clipped_tokens, group_advantages
+from workers.engine.generation import sequence_logprobs
+from workers.models.loading import load_model
+from workers.models.registry import LoadedModel
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.toolcalls import ToolSchema
+from workers.engine.tools_client import ToolClient, ToolClientOptions
 from app.jobs.schemas import TrainingOptions
-from workers.rl.hyperparameters import TrainingConfig, resolve_hyperparameters
-from workers.rl.trainer import Trainer
-from workers.rl.update import LossSettings, TrainSequence, collate, micro_batch_loss, token_logprobs
-from workers.rl.training_state import find_saved_state
+from workers.methods.reinforcement.hyperparameters import TrainingConfig, resolve_hyperparameters
+from workers.methods.reinforcement.trainer import Trainer
+from workers.methods.reinforcement.update import LossSettings, micro_batch_loss
+from workers.training.sequences import TrainSequence, collate, token_logprobs
+from workers.training.training_state import find_saved_state
 
 GRADERS = TypeAdapter(Grader)
 SEARCH = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
@@ -381,7 +383,7 @@ def test_bfloat16_lora_keeps_float32_adapters_and_measures_the_sampler_trainer_m
     """x_open_model.dtype=bfloat16: bf16 base weights, float32 adapters and optimizer; the step
     reports how far the trainer's log-probs are from the sampler's (larger than in float32, far
     below the clip); the checkpoint replayed through `agent-rft eval`'s loader is the trained policy."""
-    from workers.rl.rollout_command import load_policy
+    from workers.commands.rollout_command import load_policy
 
     probe = torch.tensor([[1, 42, 7, 99, 512, 3]])
     mismatch = {}

@@ -1,4 +1,4 @@
-"""The update's causal attention (workers/rl/training_attention.py): the flash forward, a backward of
+"""The update's causal attention (workers/models/cpu/training_attention.py): the flash forward, a backward of
 large matmuls. Its output is sdpa's bit for bit; its gradients are as close to float64's as sdpa's
 own backward (flash) is; it takes only what it computes; and a bfloat16 LoRA update runs on it
 with a gradient as close to the float32 model's as the update on sdpa."""
@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.rl import cpu_kernels, training_attention
-from workers.rl.models import apply_lora, load_model
-from workers.rl.update import TrainSequence, collate, micro_batches, token_logprobs
+from workers.models.cpu import cpu_kernels, training_attention
+from workers.models.loading import load_model
+from workers.models.lora import apply_lora
+from workers.training.sequences import TrainSequence, collate, micro_batches, token_logprobs
 
 
 @pytest.fixture(scope="module", autouse=True)

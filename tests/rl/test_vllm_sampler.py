@@ -1,4 +1,4 @@
-"""The vLLM backend (workers/rl/vllm_sampler.py) against a real vLLM server on 127.0.0.1 serving
+"""The vLLM backend (workers/engine/vllm_sampler.py) against a real vLLM server on 127.0.0.1 serving
 SmolLM2-135M-Instruct: rollouts sampled token-in/token-out, LoRA policies published per version,
 a dead server failed over, none answering refused; a job's JSON answer format enforced on vLLM as on
 the engine; a fleet with a shorter window than the model's config truncating rollouts cleanly."""
@@ -16,12 +16,12 @@ import pytest
 from tests.conftest import VLLM_MODEL, free_port
 from tests.rl.tool_server import tool_server
 from tests.rl.trained_adapter import QUESTION, SEARCH, merged_policy
-from workers.rl.generation import sequence_logprobs
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.tools_client import ToolClient
-from workers.rl.vllm_sampler import VLLMSampler, VLLMUnavailable
+from workers.engine.generation import sequence_logprobs
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.tools_client import ToolClient
+from workers.engine.vllm_sampler import VLLMSampler, VLLMUnavailable
 
 
 

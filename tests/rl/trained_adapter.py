@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.rl.toolcalls import ToolSchema
+from workers.engine.toolcalls import ToolSchema
 
 MODEL = "SmolLM2-135M-Instruct"
 SEARCH = ToolSchema("search", "Search the reports", {"type": "object", "properties": {"query": {"type": "string"}},
@@ -28,8 +28,8 @@ def train_tool_calling_adapter(folder: Path, *, steps: int = 10, seed: int = 0) 
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from workers.rl.models import load_model
-    from workers.rl.prompting import ChatFormatter
+    from workers.models.loading import load_model
+    from workers.engine.prompting import ChatFormatter
 
     torch.manual_seed(seed)
     loaded = load_model(MODEL)
@@ -54,6 +54,6 @@ def merged_policy(adapter: Path) -> Any:
     """The base model with `adapter` merged in (float32, as the trainer recomputes log-probs)."""
     from peft import PeftModel
 
-    from workers.rl.models import load_model
+    from workers.models.loading import load_model
 
     return PeftModel.from_pretrained(load_model(MODEL).model, str(adapter)).merge_and_unload().eval()

@@ -206,8 +206,8 @@ def _engine_answer(loaded, conversation: list[dict], *, temperature: float, seed
     """One rollout of the training engine (no tools): its answer text and token counts."""
     import asyncio
 
-    from workers.rl.prompting import ChatFormatter
-    from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
+    from workers.engine.prompting import ChatFormatter
+    from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
 
     engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), None,
                            EngineConfig(temperature=temperature, max_tokens_per_turn=tokens, max_tokens_per_rollout=tokens))
@@ -218,8 +218,8 @@ def test_parity_with_the_training_engine(trained: Trained):
     """The endpoint and the rollout engine, with a checkpoint loaded as `agent-rft eval` loads it, give
     the same text: greedy, and sampled with the same seed (a rollout with seed s samples its first
     turn with seed s * 1000)."""
-    from workers.rl.models import load_model
-    from workers.rl.rollout_command import load_policy
+    from workers.models.loading import load_model
+    from workers.commands.rollout_command import load_policy
 
     _, name, path = trained.checkpoints[2]
     conversation = [{"role": "system", "content": "Answer briefly."}, *HELLO]
@@ -243,7 +243,7 @@ def test_parity_with_the_training_engine(trained: Trained):
 
 
 def test_a_full_fine_tuned_model_is_served_like_the_engine_runs_it(trained: Trained):
-    from workers.rl.rollout_command import load_policy
+    from workers.commands.rollout_command import load_policy
 
     conversation = [{"role": "system", "content": "Answer briefly."}, *HELLO]
     record = _engine_answer(load_policy(trained.full_path), conversation, temperature=1.0, seed=3, tokens=16)

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from workers.inference.pool import ModelPool
-from workers.rl.generation import GenerationRequest, generate_batch
-from workers.rl.models import apply_lora, load_model, sampling_weights
+from workers.engine.generation import GenerationRequest, generate_batch
+from workers.models.cpu.cpu_speedups import sampling_weights
+from workers.models.loading import load_model
+from workers.models.lora import apply_lora
 
 TINY = "tiny-smollm2"
 REQUESTS = [GenerationRequest(context_ids=list(range(200, 200 + n)), max_new_tokens=10, seed=i)

@@ -23,10 +23,10 @@ import pytest
 from app.core.config import Settings
 from tests.conftest import VLLM_MODEL, agent_rft_inference, free_port
 from tests.rl.test_vllm_sampler import adapter, served
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig, RolloutEngine, RolloutSpec
-from workers.rl.vllm_sampler import VLLMSampler
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
+from workers.engine.vllm_sampler import VLLMSampler
 
 TOKEN = "vllm-serving-token"
 QUESTION = [{"role": "system", "content": "Answer briefly."},

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.rl.test_trainer import RecordingHooks
-from workers.rl.models import load_model
-from workers.rl.prompting import ChatFormatter
-from workers.rl.toolcalls import as_tool_schemas
-from workers.sft.data import examples_from_rows, render_example
-from workers.sft.hyperparameters import SupervisedConfig, auto_epochs
-from workers.sft.trainer import SupervisedTrainer
+from workers.models.loading import load_model
+from workers.engine.prompting import ChatFormatter
+from workers.engine.toolcalls import as_tool_schemas
+from workers.methods.supervised.data import examples_from_rows, render_example
+from workers.methods.supervised.hyperparameters import SupervisedConfig, auto_epochs
+from workers.methods.supervised.trainer import SupervisedTrainer
 
 TINY = "tiny-smollm2"  # SmolLM2's tokenizer and chat template, random weights: quick to train
 SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",

@@ -1,5 +1,5 @@
 """The inference server's generation backends, and what they share: requests answered through the
-sampler seam (workers/rl/sampler.py), the same one the rollout engine samples through.
+sampler seam (workers/engine/sampler.py), the same one the rollout engine samples through.
 
 A backend takes each checked request as a `Pending` (`submit`, or QueueFull at once) and answers on
 the request's own asyncio queue: ("accepted", plan) or ("error", exc) first, then ("delta", choice
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from workers.inference.chat import ChatPlan, ChoiceResult, ChoiceStream, finish_choice
 from workers.inference.served import ServedModel
-from workers.rl.sampler import OnToken, SamplingSession
+from workers.engine.sampler import OnToken, SamplingSession
 
 # The openai SDK waits out a Retry-After only up to a bound (60 s in older versions, 120 s now).
 RETRY_AFTER_MAX_S = 60

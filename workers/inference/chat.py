@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.inference.served import ServedModel
-from workers.rl.constraints import AnswerFormat, Constraint, UnsupportedFormat
-from workers.rl.sampler import GenerationOutput, GenerationRequest
-from workers.rl.toolcalls import ParsedTurn, ToolSchema, as_tool_schemas
+from workers.engine.constraints import AnswerFormat, Constraint, UnsupportedFormat
+from workers.engine.sampler import GenerationOutput, GenerationRequest
+from workers.engine.toolcalls import ParsedTurn, ToolSchema, as_tool_schemas
 
 
 class BadChatRequest(Exception):

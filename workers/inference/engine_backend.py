@@ -26,9 +26,9 @@ from typing import Any
 from workers.inference.backend import Pending, QueueFull, answer_on, retry_after, running_mean
 from workers.inference.chat import BadChatRequest, plan
 from workers.inference.pool import ModelPool, ModelUnavailable, PooledModel
-from workers.rl.inprocess_sampler import InProcessSampler
-from workers.rl.rollout import EngineConfig
-from workers.rl.sampler import SamplingSession
+from workers.engine.inprocess_sampler import InProcessSampler
+from workers.engine.rollout import EngineConfig
+from workers.engine.sampler import SamplingSession
 
 log = logging.getLogger(__name__)
 

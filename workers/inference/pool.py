@@ -28,8 +28,10 @@ from typing import Any
 from workers.inference.served import (  # noqa: F401 - the pool's callers import them from here too
     ModelUnavailable, ServedModel, checked_checkpoint_directory, checkpoint_kind,
 )
-from workers.rl.models import LoadedModel, ModelError, load_model, release_freed_memory, sampling_weights
-from workers.rl.prompting import ChatFormatter
+from workers.models.cpu.cpu_speedups import sampling_weights
+from workers.models.loading import load_model, release_freed_memory
+from workers.models.registry import LoadedModel, ModelError
+from workers.engine.prompting import ChatFormatter
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.rl.prompting import ChatFormatter
+from workers.engine.prompting import ChatFormatter
 
 
 class ModelUnavailable(Exception):

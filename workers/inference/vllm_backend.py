@@ -29,11 +29,11 @@ from app.core.config import Settings
 from workers.inference.backend import ChoiceRow, Pending, QueueFull, answer_on, retry_after, running_mean
 from workers.inference.chat import BadChatRequest, ChatPlan, ChoiceResult, plan
 from workers.inference.served import ModelUnavailable, ServedModel, checked_checkpoint_directory, checkpoint_kind
-from workers.rl.models import load_tokenizer
-from workers.rl.prompting import ChatFormatter
-from workers.rl.rollout import EngineConfig
-from workers.rl.sampler import SamplerUnavailable
-from workers.rl.vllm_sampler import VLLMError, VLLMSampler
+from workers.models.loading import load_tokenizer
+from workers.engine.prompting import ChatFormatter
+from workers.engine.rollout import EngineConfig
+from workers.engine.sampler import SamplerUnavailable
+from workers.engine.vllm_sampler import VLLMError, VLLMSampler
 
 log = logging.getLogger(__name__)
 

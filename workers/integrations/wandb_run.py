@@ -52,6 +52,7 @@ class WandbRun:
 
     def __init__(self, job: ClaimedJob, options: dict[str, Any], warn: Warn) -> None:
         self.job, self.options, self.warn = job, options, warn
+        self.key = job.integration_keys.get("wandb")  # the project's W&B API key
         self.run: Any = None
         self.broken = False  # after the first failure, W&B is left alone for the rest of the claim
 
@@ -78,21 +79,21 @@ class WandbRun:
     def _open(self, resolved: dict[str, Any] | None) -> Any:
         import wandb
 
-        if not self.job.wandb_api_key:
+        if not self.key:
             raise RuntimeError("the project has no W&B API key anymore (agent-rft projects set-wandb-key)")
         options = self.options
         return wandb.init(
             project=options["project"], entity=options.get("entity"), name=options.get("name") or self.job.id,
             tags=options.get("tags") or None, id=self.job.id, resume="allow", config=run_config(self.job, resolved),
             # init_timeout stays wandb's (WANDB_INIT_TIMEOUT, 90 s): an unreachable W&B delays one step by that much.
-            settings=wandb.Settings(api_key=self.job.wandb_api_key, silent=True),
+            settings=wandb.Settings(api_key=self.key, silent=True),
             reinit="finish_previous",  # a run an earlier claim in this process left open is closed first
         )
 
     def _fail(self, what: str, exc: Exception) -> None:
         self.broken = True
         message = f"Weights & Biases: could not {what} run {self.job.id} ({type(exc).__name__}: " \
-                  f"{_without(str(exc), self.job.wandb_api_key)[:500]}); training goes on without W&B logging."
+                  f"{_without(str(exc), self.key)[:500]}); training goes on without W&B logging."
         log.warning("%s", message)
         try:
             self.warn(message, {"integration": "wandb"})

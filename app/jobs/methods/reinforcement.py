@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.core.config import Settings
+from app.dashboard.charts import Chart, Series
 from app.core.crypto import secret_box
 from app.core.errors import APIError, bad_request
 from app.core.urls import BlockedURL, guard_url
@@ -17,8 +18,8 @@ from app.jobs.validation import RowRule, check_row, parameters_schema_problem
 
 TYPE = "reinforcement"
 # A checkpoint's score among its flattened metrics, and its direction: the trainer's step metrics
-# nest it under "scores"; a checkpoint pushed with the plain key counts too.
-SCORE_KEYS = (("scores.valid_reward_mean", 1.0), ("valid_reward_mean", 1.0))
+# nest it under "scores".
+SCORE_KEYS = (("scores.valid_reward_mean", 1.0),)
 
 
 def row_rule(declared_tools: set[str]) -> RowRule:
@@ -51,3 +52,72 @@ def stored_block(method: Method, settings: Settings) -> dict[str, Any]:
                            cap=settings.python_grader_isolation_cap, param="method.reinforcement.grader")
     stored = {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
     return tool_headers.seal_headers(stored, secret_box(settings))
+
+# The job page's charts: rewards, tools, graders, the loss and where a step's time goes.
+CHARTS: tuple[Chart, ...] = (
+    Chart("reward", "Reward", "mean reward", (
+        Series("train", key="scores.train_reward_mean"),
+        Series("validation", key="scores.valid_reward_mean", markers=True),
+    ), help="Mean grader reward of the step's training rollouts, and of the fixed validation set at eval steps."),
+    Chart("grader-rewards", "Reward per grader", "mean sub-reward", (
+        Series("train", prefix="scores.train_sub_rewards."),
+        Series("validation", prefix="scores.valid_sub_rewards.", markers=True),
+    ), help="For multi graders: each sub-grader's mean score."),
+    Chart("tool-mix", "Tool calls per rollout, by tool", "calls per rollout", (
+        Series("tool", prefix="tools.tool_calls_per_rollout_by_tool."),
+    ), stacked=True, help="How the policy splits its calls between tools; switch to shares to see the mix shift."),
+    Chart("tool-calls", "Tool calls per rollout", "calls per rollout", (
+        Series("all tools", key="tools.tool_calls_per_rollout"),
+        Series("parse errors", key="tools.parse_errors_per_rollout"),
+    )),
+    Chart("tokens", "Tokens per rollout", "tokens", (
+        Series("completion", key="tools.completion_tokens_per_rollout"),
+        Series("tool output", key="tools.tool_output_tokens_per_rollout"),
+    )),
+    Chart("rollout-latency", "Rollout latency", "seconds", (
+        Series("mean", key="tools.wall_time_s_mean"),
+        Series("max", key="tools.wall_time_s_max"),
+    )),
+    Chart("tool-latency", "Tool latency, by tool", "seconds (mean)", (
+        Series("tool", prefix="tools.tool_latency_s_mean_by_tool."),
+    )),
+    Chart("tool-errors", "Tool error rate, by tool", "share of calls", (
+        Series("tool", prefix="tools.tool_error_rate_by_tool."),
+    ), percent=True),
+    Chart("tool-cache", "Tool-result cache hit rate, by tool", "share of calls", (
+        Series("tool", prefix="tools.tool_cache_hit_rate_by_tool."),
+    ), percent=True, help="Calls of read-only tools with `cache` answered from the job's cache: each hit is one "
+                          "request the endpoint did not get."),
+    Chart("tool-throttled", "Throttled tool answers, by tool", "answers per step", (
+        Series("tool", prefix="tools.tool_throttled_by_tool."),
+    ), help="429/503 answers with Retry-After: waited out as asked, without spending the call's retries."),
+    Chart("tool-throttle-wait", "Time waiting on throttled tools, by tool", "seconds per step", (
+        Series("tool", prefix="tools.tool_throttle_wait_s_by_tool."),
+    )),
+    Chart("tool-concurrency", "Tool concurrency, by tool", "requests in flight (limit)", (
+        Series("tool", prefix="tools.tool_concurrency_by_tool."),
+    ), help="Halves when a tool throttles, creeps back up to its max_concurrency as calls succeed."),
+    Chart("grader-backpressure", "Throttled grader answers", "per step", (
+        Series("throttled answers", key="graders.throttled"),
+        Series("seconds waiting", key="graders.throttle_wait_s"),
+    ), help="429/503 answers with Retry-After from endpoint graders and judge models, waited out as asked."),
+    Chart("episode-failures", "Budget exhausted and parse errors", "share of rollouts", (
+        Series("tool budget exhausted", key="tools.budget_exhausted_rate"),
+        Series("parse error", key="tools.parse_error_rate"),
+    ), percent=True),
+    Chart("zero-std", "Groups with no reward spread (frac_reward_zero_std)", "share of groups", (
+        Series("frac_reward_zero_std", key="train.frac_reward_zero_std"),
+    ), percent=True, help="Groups whose rollouts all scored the same teach nothing; a rising share means "
+                          "the task is too easy or too hard for the policy."),
+    Chart("loss", "Loss and KL", "value", (
+        Series("loss", key="train.loss"),
+        Series("KL", key="train.kl"),
+    )),
+    Chart("step-time", "Time per step", "seconds", (
+        Series("phase", prefix="timing.step.", exclude=("timing.step.full_iteration",)),
+    ), stacked=True),
+    Chart("step-breakdown", "Where a step's time goes", "seconds", (
+        Series("phase", prefix="timing.breakdown."),
+    ), stacked=True, help="Sampling split into prefill, decode and the time the model waited (tool calls, "
+                          "batching); the update into forward, backward and the optimizer."),
+)

@@ -1,1 +1,0 @@
-"""Direct preference optimization (`method.type = "dpo"`, docs/dpo.md)."""

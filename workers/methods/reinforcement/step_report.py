@@ -1,0 +1,113 @@
+"""What a training step reports: its metrics event `data` (OpenAI's `scores`, `usage`, `errors`
+and `timing`, plus this service's `tools` and `train` blocks, docs/training.md) and where its
+seconds went. The dashboard's charts draw these names (app/dashboard/charts.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.grading import GradedRollout, mean_or_none, sub_reward_means
+from workers.engine.summary import summarize
+from workers.methods.reinforcement.update import UpdateStats
+
+
+@dataclass
+class SamplingCost:
+    """The rollout engine's own account of one run: seconds in prefill and decode, tokens fed."""
+
+    timings: dict[str, float]
+    prefill_tokens: int
+
+    @classmethod
+    def of(cls, engine: Any) -> SamplingCost:
+        return cls(dict(engine.generation_timings), engine.prefill_tokens)
+
+
+@dataclass
+class GraderLoad:
+    """The graders' outbound backpressure (endpoint graders and remote judges, all URLs
+    together): answers that asked to wait, seconds waited, the lowest concurrency limit now."""
+
+    throttled: int
+    throttle_wait_s: float
+    concurrency: int | None
+
+    @classmethod
+    def of(cls, ctx: Any) -> GraderLoad:
+        from app.graders.judges import backpressure_stats
+
+        urls = backpressure_stats(ctx).values()
+        return cls(int(sum(u["throttled"] for u in urls)), float(sum(u["throttle_wait_s"] for u in urls)),
+                   min((int(u["concurrency"]) for u in urls), default=None))
+
+    def since(self, earlier: GraderLoad) -> dict[str, Any]:
+        """This step's share: the counts since `earlier`, the limit as it is now."""
+        return {"throttled": self.throttled - earlier.throttled,
+                "throttle_wait_s": self.throttle_wait_s - earlier.throttle_wait_s, "concurrency": self.concurrency}
+
+
+class StepClock:
+    """Wall-clock seconds of a step's phases, each lap from the end of the previous one."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self.last = now - self.last, now
+
+    def report(self, sampling: SamplingCost, update: UpdateStats) -> dict[str, dict[str, float]]:
+        step = {**self.seconds, "full_iteration": self.last - self.started}
+        return {"step": step, "breakdown": step_breakdown(step, sampling.timings, update)}
+
+
+def step_breakdown(timing: dict[str, float], generation: dict[str, float], update: UpdateStats) -> dict[str, float]:
+    """A step's seconds split where they went; the parts add up to the step. Sampling: prefill (the
+    first forward of each generation batch), decode (every later forward and its sampling), and the
+    rest, the wall time the model sat idle (tool calls, batching waits, tokenizing). The update:
+    forward, backward, and the rest (optimizer step, collation)."""
+    prefill, decode = generation.get("prefill_s", 0.0), generation.get("decode_s", 0.0)
+    return {
+        "prefill": prefill, "decode": decode, "tool_wait_and_other": max(0.0, timing["sampling"] - prefill - decode),
+        "grading": timing["grading"], "forward": update.forward_s, "backward": update.backward_s,
+        "optimizer_and_other": max(0.0, timing["training"] - update.forward_s - update.backward_s),
+        "eval": timing["eval"],
+    }
+
+
+def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], stats: UpdateStats, n_used: int,
+                 zero_spread_groups: int, n_groups: int, timing: dict[str, dict[str, float]],
+                 sampling: SamplingCost, valid: dict[str, Any] | None, learning_rate: float,
+                 graders: dict[str, Any] | None = None) -> dict[str, Any]:
+    records = [g.record for g in graded]
+    scores: dict[str, Any] = {"train_reward_mean": mean_or_none([g.reward for g in graded if g.reward is not None])}
+    if sub := sub_reward_means(graded):
+        scores["train_sub_rewards"] = sub
+    if valid is not None:
+        scores["valid_reward_mean"] = valid["reward_mean"]
+        if valid["sub_rewards"]:
+            scores["valid_sub_rewards"] = valid["sub_rewards"]
+    return {
+        "step": step,
+        "total_steps": total_steps,
+        "scores": scores,
+        "usage": {"completion_tokens": sum(r.completion_tokens for r in records),
+                  "tool_output_tokens": sum(r.tool_output_tokens for r in records),
+                  "prompt_tokens": sum(r.prompt_tokens for r in records),
+                  "prefill_tokens": sampling.prefill_tokens},
+        "errors": {"tool_failures": sum(1 for g in graded if g.excluded == "tool_failure"),
+                   "grader_failures": sum(1 for g in graded if g.excluded == "grader_failure"),
+                   "parse_errors": sum(r.parse_errors for r in records)},
+        "timing": timing,
+        "tools": summarize(records),
+        "graders": graders or {},
+        "train": {"loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm,
+                  "logprob_mismatch": stats.logprob_mismatch, "clip_fraction": stats.clip_fraction,
+                  "learning_rate": learning_rate,
+                  "frac_reward_zero_std": zero_spread_groups / n_groups,
+                  "rollouts_used": n_used,
+                  "rollouts_excluded": sum(1 for g in graded if g.excluded is not None)},
+    }
