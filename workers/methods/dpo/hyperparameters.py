@@ -7,12 +7,10 @@ answers apart, and at supervised rates the policy leaves the reference within a 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from workers.training.data import total_steps_for
-from workers.methods.supervised.hyperparameters import AUTO_BATCH_SIZE, AUTO_EVALS_PER_RUN, SupervisedConfig, auto_epochs
+from workers.methods.supervised.hyperparameters import SupervisedConfig, resolve_supervised
 
 AUTO_BETA = 0.1
 BASE_LEARNING_RATE = {"lora": 5e-5, "full": 1e-6}
@@ -25,20 +23,7 @@ class DpoConfig(SupervisedConfig):
 
 def resolve_dpo(dpo: Any, *, n_train: int, seed: int) -> tuple[DpoConfig, dict[str, Any]]:
     """`dpo` is the job's method.dpo. Returns the config and the hyperparameters with every "auto"
-    replaced, to record on the job."""
-    if n_train < 1:
-        raise ValueError("the training file has no rows")
-    hyper, options = dpo.hyperparameters, dpo.x_open_model
-    batch_size = min(n_train, AUTO_BATCH_SIZE) if hyper.batch_size == "auto" else int(hyper.batch_size)
-    n_epochs = auto_epochs(n_train) if hyper.n_epochs == "auto" else int(hyper.n_epochs)
-    multiplier = 1.0 if hyper.learning_rate_multiplier == "auto" else float(hyper.learning_rate_multiplier)
-    beta = AUTO_BETA if hyper.beta == "auto" else float(hyper.beta)
-    total = total_steps_for(n_train, batch_size, n_epochs)
-    config = DpoConfig(
-        batch_size=batch_size, n_epochs=n_epochs, beta=beta,
-        learning_rate=options.learning_rate or multiplier * BASE_LEARNING_RATE[options.training_mode],
-        eval_interval=options.eval_interval or max(1, math.ceil(total / AUTO_EVALS_PER_RUN)),
-        training_mode=options.training_mode, lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
-        max_seq_tokens=options.max_seq_tokens, seed=seed)
-    resolved = {"batch_size": batch_size, "n_epochs": n_epochs, "learning_rate_multiplier": multiplier, "beta": beta}
-    return config, resolved
+    replaced, to record on the job: a supervised job's rules, DPO's learning rates, and beta."""
+    config, resolved = resolve_supervised(dpo, n_train=n_train, seed=seed, base_learning_rate=BASE_LEARNING_RATE)
+    beta = AUTO_BETA if dpo.hyperparameters.beta == "auto" else float(dpo.hyperparameters.beta)
+    return DpoConfig(**asdict(config), beta=beta), {**resolved, "beta": beta}

@@ -38,9 +38,10 @@ class SupervisedConfig:
     state_interval: int = 1
 
 
-def resolve_supervised(supervised: Any, *, n_train: int, seed: int) -> tuple[SupervisedConfig, dict[str, Any]]:
-    """`supervised` is the job's method.supervised. Returns the config and the hyperparameters with
-    every "auto" replaced, to record on the job."""
+def resolve_supervised(supervised: Any, *, n_train: int, seed: int, base_learning_rate: dict[str, float] | None = None
+                       ) -> tuple[SupervisedConfig, dict[str, Any]]:
+    """`supervised` is the job's method.supervised (or a block of the same shape: DPO's). Returns the
+    config and the hyperparameters with every "auto" replaced, to record on the job."""
     if n_train < 1:
         raise ValueError("the training file has no rows")
     hyper, options = supervised.hyperparameters, supervised.x_open_model
@@ -50,7 +51,7 @@ def resolve_supervised(supervised: Any, *, n_train: int, seed: int) -> tuple[Sup
     total = total_steps_for(n_train, batch_size, n_epochs)
     config = SupervisedConfig(
         batch_size=batch_size, n_epochs=n_epochs,
-        learning_rate=options.learning_rate or multiplier * BASE_LEARNING_RATE[options.training_mode],
+        learning_rate=options.learning_rate or multiplier * (base_learning_rate or BASE_LEARNING_RATE)[options.training_mode],
         eval_interval=options.eval_interval or max(1, math.ceil(total / AUTO_EVALS_PER_RUN)),
         training_mode=options.training_mode, lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
         max_seq_tokens=options.max_seq_tokens, seed=seed)
