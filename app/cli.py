@@ -30,7 +30,7 @@ def _fail(message: str) -> None:
 
 
 # What the commands that load a model import. `pip install agent-rft` (the control plane) has none
-# of them; the worker and inference extras do (app/core/extras.py).
+# of them; the worker and inference extras do (agent_rft/extras.py).
 MODEL_PACKAGES = ("torch", "transformers", "peft")
 WORKER_PACKAGES = (*MODEL_PACKAGES, "sentence_transformers")
 TOKENIZER_PACKAGES = ("transformers", "tokenizers")  # the front of a vLLM fleet: tokenizers only, no torch
@@ -38,7 +38,7 @@ TOKENIZER_PACKAGES = ("transformers", "tokenizers")  # the front of a vLLM fleet
 
 def _require_extra(extra: str, command: str, modules: tuple[str, ...]) -> None:
     """Fail with the extra to install, before a slim installation dies in an ImportError mid-run."""
-    from app.core.extras import missing_extra
+    from agent_rft.extras import missing_extra
 
     if message := missing_extra(extra, f"`agent-rft {command}`", *modules):
         _fail(message)

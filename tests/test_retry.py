@@ -1,4 +1,4 @@
-"""The one retry policy (app/core/retry.py), and the worker's control-plane client
+"""The one retry policy (agent_rft/retry.py), and the worker's control-plane client
 (workers/control_client.py) that follows it, against a real HTTP server on 127.0.0.1 whose
 answers each test scripts."""
 
@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from tenacity import retry_if_exception_type
 
-from app.core.retry import (
+from agent_rft.retry import (
     RETRYABLE_STATUS,
     Backoff,
     async_retrying,

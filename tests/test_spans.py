@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from app.core.tracing import w3c_trace_id
+from agent_rft.tracing import w3c_trace_id
 from tests.rl.policies import ScriptedPolicy
 from tests.rl.test_trainer import RecordingHooks, config, rows, train
 from tests.rl.tool_server import tool_server

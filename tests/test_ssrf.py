@@ -1,4 +1,4 @@
-"""The SSRF guard (app/core/urls.py): which addresses user URLs may reach, the check made when a
+"""The SSRF guard (agent_rft/urls.py): which addresses user URLs may reach, the check made when a
 guarded client *connects* (so DNS rebinding cannot bypass it), redirects, and HTTPS."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse
 
-from app.core.urls import BlockedURL, check_http_url, guard_url, guarded_client
+from agent_rft.urls import BlockedURL, check_http_url, guard_url, guarded_client
 from tests.conftest import serve_app
 
 # (URL host, an allow-list entry naming it by address, one naming it by CIDR)

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from app.core.tracing import w3c_trace_id
+from agent_rft.tracing import w3c_trace_id
 from tests.conftest import free_port, live_server
 from tests.harness_tool_server import TOKEN, harness_tool_server
 

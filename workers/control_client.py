@@ -27,7 +27,7 @@ from tenacity import RetryCallState
 
 from pydantic import BaseModel
 
-from app.core.retry import excerpt, retryable_status, retrying
+from agent_rft.retry import excerpt, retryable_status, retrying
 from app.core.worker_schemas import HeartbeatResponse
 from app.diagnostics.schemas import DiagnosticObject
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse, DiagnosticFinishResult, DiagnosticRolloutResult, JobDiagnostic
@@ -90,7 +90,7 @@ class ControlPlaneClient:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """Retry what app.core.retry calls transient: connection errors, timeouts, 408, 429 and
+        """Retry what agent_rft.retry calls transient: connection errors, timeouts, 408, 429 and
         5xx (every internal call is idempotent), at least `attempts` times and for as long as the
         patience lasts; then ControlPlaneUnreachable. Any other 4xx, 409 lease_lost included, is final."""
         policy = retrying(attempts=self.attempts, base_s=self.backoff_s, max_s=self.backoff_max_s,

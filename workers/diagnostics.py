@@ -59,7 +59,7 @@ class DiagnosticRun:
         return status
 
     async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
-        from app.graders.service import grader_context
+        from agent_rft.graders.core import GraderContext
         from workers.training.data import job_tool_schemas, prompts_from_rows
         from workers.methods.reinforcement.diagnostic import load_basis, run_diagnostic, select_samples
         from workers.methods.reinforcement.hyperparameters import resolve_hyperparameters
@@ -87,7 +87,8 @@ class DiagnosticRun:
             engine = RolloutEngine(loaded.model, loaded.tokenizer, ChatFormatter(loaded.tokenizer), tool_client,
                                    config.engine)
             outcome = await run_diagnostic(
-                engine=engine, grader=reinforcement.grader, grader_ctx=grader_context(self.settings),
+                engine=engine, grader=reinforcement.grader, grader_ctx=GraderContext.from_settings(
+                    self.settings, load_judge_model=load_model),
                 prompts=prompts, sample_indexes=chosen, runs_per_sample=spec.runs_per_sample, seed=spec.seed,
                 hooks=self, done=frozenset(spec.done_samples))
         return outcome.status

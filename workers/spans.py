@@ -2,7 +2,7 @@
 per tool call and per grader call, exported over OTLP.
 
 A rollout's span starts a trace of its own whose trace id is the rollout's `trace_id`
-(app/core/tracing.py maps one to the other), linked to the step that sampled it. Its tool calls
+(agent_rft/tracing.py maps one to the other), linked to the step that sampled it. Its tool calls
 are child spans, and the `traceparent` header a tool server receives names the tool call's span,
 so the customer's own tool-server spans join the rollout's trace as its children.
 
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from app.core.tracing import w3c_trace_id
+from agent_rft.tracing import w3c_trace_id
 
 _TRACER_NAME = "agent-rft"
 _provider: Any = None  # the TracerProvider spans go to; None: spans are off

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from app.auth.models import ApiKey, IntegrationSecret, Project
 from app.core.crypto import SecretBox
 from app.core.db import utcnow
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 
 KEY_PREFIX = "sk-"
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # `last_used_at` is this precise: no write per request

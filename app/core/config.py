@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.graders.isolation import DEFAULT_OUTSIDE_EMBEDDED, PythonIsolation
+from agent_rft.graders.isolation import DEFAULT_OUTSIDE_EMBEDDED, PythonIsolation
 
 DEV_WORKER_TOKEN = "dev-worker-token-change-me"
 # Connections of an API process's pool left to its background threads (the lease watchdog, the

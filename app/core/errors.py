@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.core.schema_tags import UNION_TAGS
+from agent_rft.schema_tags import UNION_TAGS
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 from app.core.bearer import same_secret
 from app.core.db import utcnow
 from app.core.errors import APIError, conflict, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 
 log = logging.getLogger(__name__)
 Status = TypeVar("Status", bound=StrEnum)

@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.db import unix
-from app.core.tracing import w3c_trace_id
+from agent_rft.tracing import w3c_trace_id
 from app.dashboard.queries import transcript
 from app.diagnostics import service as diagnostics
 from app.diagnostics.models import Diagnostic, DiagnosticRollout

@@ -14,7 +14,7 @@ from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.orm import Session
 
 from app.core.db import unix, utcnow
-from app.core.tracing import w3c_trace_id
+from agent_rft.tracing import w3c_trace_id
 from app.dashboard.charts import charted_keys
 from app.jobs import service as jobs
 from app.jobs.models import Checkpoint, Job, JobEvent, JobMetric, JobRollout, JobStep

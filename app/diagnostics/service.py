@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from app.core.config import Settings
 from app.core.db import unix
 from app.core.errors import conflict, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.pagination import ListPage, page, page_by
 from app.diagnostics import summary as summaries
 from app.diagnostics.models import Diagnostic, DiagnosticRollout

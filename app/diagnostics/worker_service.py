@@ -13,7 +13,7 @@ from app.core.config import Settings
 from app.core.crypto import secret_box
 from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
 from app.core.worker_schemas import UNEXPLAINED_FAILURE, HeartbeatResponse
 from app.diagnostics import service

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from app.core.db import unix
 from app.core.errors import APIError, conflict, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.input_limits import PROBLEM_MESSAGES, text_problem
 from app.core.pagination import ListPage, page
 from app.files.models import StoredFile

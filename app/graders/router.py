@@ -8,8 +8,8 @@ from fastapi import APIRouter, FastAPI, Request
 
 from app.core.deps import CurrentKey, done_with_database
 from app.graders import service
-from app.graders.core import GraderContext
-from app.graders.judges import close_http_client
+from agent_rft.graders.core import GraderContext
+from agent_rft.graders.judges import close_http_client
 from app.graders.service import GraderRunRequest, GraderValidateRequest
 
 

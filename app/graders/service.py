@@ -11,13 +11,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.core.config import Settings
 from app.core.errors import bad_request
-from app.core.extras import missing_extra
-from app.core.schema_tags import register_union_tags
-from app.core.urls import BlockedURL, guard_url
-from app.graders.core import GraderContext, Sample, grade
-from app.graders.isolation import PythonIsolation
-from app.graders.sandbox import isolation_refusal, python_isolation
-from app.graders.schemas import Grader
+from agent_rft.extras import missing_extra
+from agent_rft.schema_tags import register_union_tags
+from agent_rft.urls import BlockedURL, guard_url
+from agent_rft.graders.core import GraderContext, Sample, grade
+from agent_rft.graders.isolation import PythonIsolation
+from agent_rft.graders.sandbox import isolation_refusal, python_isolation
+from agent_rft.graders.schemas import Grader
 from app.jobs.tool_headers import public_grader
 
 
@@ -56,20 +56,15 @@ class GraderValidateRequest(BaseModel):
 
 
 def grader_context(settings: Settings) -> GraderContext:
-    """The deployment's grader services, from its settings."""
-    return GraderContext(
-        outbound_allowlist=list(settings.outbound_allowlist),
-        judge_base_url=settings.judge_base_url,
-        judge_api_key=settings.judge_api_key.get_secret_value() if settings.judge_api_key else None,
-        judge_local_model=settings.judge_local_model,
-        request_timeout_s=settings.grader_timeout_s,
-        max_retry_after_s=settings.grader_max_retry_after_s,
-        max_concurrency_per_url=settings.grader_max_concurrency,
-        python_timeout_s=settings.python_grader_timeout_s,
-        python_memory_mb=settings.python_grader_memory_mb,
-        python_min_isolation=settings.python_grader_required_isolation,
-        python_isolation_cap=settings.python_grader_isolation_cap,
-    )
+    """The deployment's grader services, from its settings; a local judge loads with the workers'
+    model loader (torch only where a local judge is used)."""
+    return GraderContext.from_settings(settings, load_judge_model=load_judge_model)
+
+
+def load_judge_model(name: str) -> Any:
+    from workers.models.loading import load_model
+
+    return load_model(name)
 
 
 def _graders_with_urls(grader: Any, path: str) -> list[tuple[str, Any]]:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from app.auth.models import Project
 from app.core.db import unix
 from app.core.errors import APIError, bad_request, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.pagination import ListPage, page_by
 from app.jobs.models import Checkpoint, CheckpointPermission, Job
 from app.jobs.schemas import CheckpointPermissionDeleted, CheckpointPermissionObject

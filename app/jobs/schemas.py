@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator, model_validator
 
 from app.core.response_format import check_response_format
-from app.core.urls import check_http_url
+from agent_rft.urls import check_http_url
 from app.diagnostics.options import JobDiagnosticOptions
-from app.graders.schemas import Grader
+from agent_rft.graders.schemas import Grader
 
 Split = Literal["train", "valid"]
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from app.core.config import Settings
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.pagination import ListPage, page, page_by
 from app.files.models import StoredFile
 from app.idempotency import service as idempotency

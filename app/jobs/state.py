@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.lifecycle import StateMachine
 from app.jobs.models import Job, JobEvent
 from app.webhooks import outbox

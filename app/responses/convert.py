@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from app.core.errors import bad_request
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.responses.schemas import ResponseCreate
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -11,7 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from app.core.deps import CurrentKey, SessionDep, SettingsDep, done_with_database, in_own_transaction
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.openai_body import parse_body
 from app.responses import convert, service
 from app.responses.schemas import ResponseCreate

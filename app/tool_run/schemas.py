@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.core.urls import check_http_url
+from agent_rft.urls import check_http_url
 
 # Headers that describe the request itself, which the tool call sets: forwarding a caller's would
 # corrupt it.

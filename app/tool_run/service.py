@@ -16,8 +16,8 @@ from typing import Any
 
 from app.core.config import Settings
 from app.core.errors import APIError, bad_request
-from app.core.ids import new_id
-from app.core.urls import BlockedURL, guard_url
+from agent_rft.ids import new_id
+from agent_rft.urls import BlockedURL, guard_url
 from app.tool_run.schemas import ToolRunRequest
 from workers.engine.tools_client import ToolClient, ToolEndpoint, ToolResult
 

@@ -19,7 +19,7 @@ from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.db import unix, utcnow
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.webhooks.events import EVENT_FOR_STATUS, event_body
 from app.webhooks.models import DeliveryState, WebhookDelivery, WebhookEndpoint, WebhookEvent
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.core.urls import check_http_url
+from agent_rft.urls import check_http_url
 from app.webhooks.events import EVENT_TYPES
 from app.webhooks.models import DeliveryState
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from app.core.urls import BlockedURL, guarded_client
+from agent_rft.urls import BlockedURL, guarded_client
 
 EXCERPT_BYTES = 1024
 

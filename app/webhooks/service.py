@@ -19,10 +19,10 @@ from app.core.config import Settings
 from app.core.crypto import secret_box
 from app.core.db import unix, utcnow
 from app.core.errors import APIError, bad_request, conflict, not_found
-from app.core.ids import new_id
+from agent_rft.ids import new_id
 from app.core.pagination import ListPage, page
-from app.core.retry import excerpt
-from app.core.urls import BlockedURL, guard_url
+from agent_rft.retry import excerpt
+from agent_rft.urls import BlockedURL, guard_url
 from app.observability.registry import WEBHOOK_DELIVERY_FAILURES
 from app.webhooks.events import EVENT_TYPES, event_body
 from app.webhooks.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent

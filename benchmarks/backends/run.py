@@ -96,7 +96,7 @@ def measure_rollouts(backend: str, loaded: Any, tool_url: str, vllm_url: str) ->
 
 
 def measure_demo(backend: str, loaded_dtype: str, steps: int, vllm_url: str, device: str) -> dict[str, Any]:
-    from app.graders.core import GraderContext
+    from agent_rft.graders.core import GraderContext
     from benchmarks.demo_learning import run as demo
     from workers.models.loading import load_model
     from workers.engine.tools_client import ToolClient

@@ -105,7 +105,7 @@ def engine_config(settings: dict[str, Any]) -> Any:
 def grader(settings: dict[str, Any]) -> Any:
     from pydantic import TypeAdapter
 
-    from app.graders.schemas import Grader
+    from agent_rft.graders.schemas import Grader
 
     return TypeAdapter(Grader).validate_python(settings["grader"])
 
@@ -114,7 +114,7 @@ async def rollouts(loaded: Any, client: Any, settings: dict[str, Any], rows: lis
                    seed: int) -> list[dict[str, Any]]:
     """k graded rollouts per row; the seeds depend on (seed, row, k) only, so before and after
     training see the same draws."""
-    from app.graders.core import GraderContext
+    from agent_rft.graders.core import GraderContext
     from examples.financial_reports.server import TOOL_SCHEMAS
     from workers.engine.prompting import ChatFormatter
     from workers.engine.rollout import RolloutEngine, RolloutSpec
@@ -252,8 +252,8 @@ async def reinforce(settings: dict[str, Any], loaded: Any, client: Any, grader_u
     endpoint grader: the right answer, charged for tool calls and tokens."""
     from pydantic import TypeAdapter
 
-    from app.graders.core import GraderContext
-    from app.graders.schemas import Grader
+    from agent_rft.graders.core import GraderContext
+    from agent_rft.graders.schemas import Grader
     from examples.financial_reports.demo_config import grader_spec
     from workers.methods.reinforcement.trainer import Trainer
 

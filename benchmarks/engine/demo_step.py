@@ -99,7 +99,7 @@ async def _train(demo: Any, settings: dict[str, Any], port: int, train_rows: lis
                  work_dir: Path) -> list[dict[str, Any]]:
     from dataclasses import replace
 
-    from app.graders.core import GraderContext
+    from agent_rft.graders.core import GraderContext
     from workers.models.loading import load_model
     from workers.engine.tools_client import ToolClient
     from workers.methods.reinforcement.trainer import Trainer

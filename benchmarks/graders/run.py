@@ -24,9 +24,9 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import TypeAdapter
 
-from app.graders.batch import grade_many
-from app.graders.core import GraderContext, Sample
-from app.graders.schemas import Grader
+from agent_rft.graders.batch import grade_many
+from agent_rft.graders.core import GraderContext, Sample
+from agent_rft.graders.schemas import Grader
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "graders.json"
 GRADER = TypeAdapter(Grader)

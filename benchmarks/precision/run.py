@@ -41,7 +41,7 @@ DTYPES = ("float32", "bfloat16")
 
 async def measure(dtype: str, settings: dict[str, Any], port: int, rows: list[dict], group: int,
                   common: list[Any] | None, repeats: int, work_dir: Path) -> tuple[dict[str, Any], list[Any]]:
-    from app.graders.core import GraderContext
+    from agent_rft.graders.core import GraderContext
     from workers.models.loading import load_model
     from workers.engine.tools_client import ToolClient
     from workers.methods.reinforcement.trainer import Trainer

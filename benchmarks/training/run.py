@@ -126,7 +126,7 @@ class TimingHooks:
 
 
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
-    from app.graders.core import GraderContext
+    from agent_rft.graders.core import GraderContext
     from tests.rl.tool_server import tool_server
     from workers.models.loading import load_model
     from workers.engine.rollout import EngineConfig
@@ -187,7 +187,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from app.graders.implementations.text_similarity import similarity
+    from agent_rft.graders.implementations.text_similarity import similarity
     from workers.models.loading import load_model
 
     class StepTimer(TrainerCallback):

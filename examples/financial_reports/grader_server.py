@@ -31,8 +31,8 @@ import httpx
 from fastapi import FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
-from app.graders.core import GraderError
-from app.graders.implementations.numeric_match import (
+from agent_rft.graders.core import GraderError
+from agent_rft.graders.implementations.numeric_match import (
     amounts_match,
     pick_amount,
     reference_amount,

@@ -132,7 +132,7 @@ class SearchIndex:
 
 def embed(texts: list[str]) -> np.ndarray:
     # The model loader of the text_similarity grader: loads from the package directory, once per process.
-    from app.graders.implementations.text_similarity import embedding_model
+    from agent_rft.graders.implementations.text_similarity import embedding_model
 
     return embedding_model().encode(texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
 

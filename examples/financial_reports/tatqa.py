@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.graders.implementations.numeric_match import find_amounts
+from agent_rft.graders.implementations.numeric_match import find_amounts
 from examples.financial_reports.corpus import Document, make_row, write_corpus
 
 ATTRIBUTION = ("Source: TAT-QA (Zhu et al., ACL 2021), NExTplusplus/TAT-QA on GitHub, "

@@ -434,7 +434,7 @@ def test_transcript_shows_turns_tool_calls_grades_and_the_trace_id(client, proje
     assert page.status_code == 200
     html = page.text
     assert '<code id="trace-id">trace_s1_r0</code>' in html
-    from app.core.tracing import w3c_trace_id  # the traceparent its requests carried
+    from agent_rft.tracing import w3c_trace_id  # the traceparent its requests carried
     assert f"traceparent: 00-{w3c_trace_id('trace_s1_r0')}-&lt;span id&gt;-01" in html
     assert html.count('class="msg tool-call') == 2 and "assistant · turn 3" in html
     assert html.index("<strong class=\"tool-name\">search") < html.index("<strong class=\"tool-name\">cat")

@@ -10,8 +10,8 @@ import pytest
 from pydantic import TypeAdapter
 
 from app.diagnostics.summary import build_result
-from app.graders.core import GraderContext
-from app.graders.schemas import Grader
+from agent_rft.graders.core import GraderContext
+from agent_rft.graders.schemas import Grader
 from app.jobs.schemas import TrainingOptions
 from tests.diagnostics.scripted_grader import scripted_grader
 from tests.rl.policies import ScriptedPolicy

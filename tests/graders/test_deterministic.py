@@ -1,5 +1,5 @@
 """string_check, text_similarity and numeric_match, called the way the service calls them: a config
-validated through the `Grader` union, then `app.graders.core.grade`.
+validated through the `Grader` union, then `agent_rft.graders.core.grade`.
 
 Expected values are worked out independently of the code under test: by hand for small examples
 (shown in the comments), or with another entry point of the same library (sacrebleu's corpus BLEU)."""
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from app.graders.core import ERROR_FLAGS, GradeResult, GraderContext, Sample, grade
-from app.graders.schemas import GRADER_TYPES, Grader
+from agent_rft.graders.core import ERROR_FLAGS, GradeResult, GraderContext, Sample, grade
+from agent_rft.graders.schemas import GRADER_TYPES, Grader
 
 GRADERS = TypeAdapter(Grader)
 SIMILARITY_METRICS = (
@@ -259,7 +259,7 @@ def test_bleu_matches_sacrebleu_corpus_bleu_on_one_pair() -> None:
 
 
 def test_meteor_without_wordnet_matches_no_synonyms() -> None:
-    from app.graders.implementations.text_similarity import _NoSynonyms, _wordnet
+    from agent_rft.graders.implementations.text_similarity import _NoSynonyms, _wordnet
 
     if not isinstance(_wordnet(), _NoSynonyms):
         pytest.skip("nltk's WordNet corpus is installed here: synonyms match")

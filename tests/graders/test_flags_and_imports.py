@@ -8,9 +8,9 @@ import sys
 import pytest
 from pydantic import TypeAdapter
 
-from app.graders import sandbox
-from app.graders.core import GraderContext, Sample, grade
-from app.graders.schemas import Grader
+from agent_rft.graders import sandbox
+from agent_rft.graders.core import GraderContext, Sample, grade
+from agent_rft.graders.schemas import Grader
 
 GRADER = TypeAdapter(Grader)
 
@@ -49,8 +49,8 @@ def test_a_sandbox_that_cannot_start_is_a_python_grader_server_error(monkeypatch
 
 
 @pytest.mark.parametrize("modules", [
-    "app.graders.core, app.graders.implementations, app.graders.batch, app.graders.schemas",
-    "workers.celery_app, workers.engine.toolcalls, workers.engine.tools_client, app.graders.batch",
+    "agent_rft.graders.core, agent_rft.graders.implementations, agent_rft.graders.batch, agent_rft.graders.schemas",
+    "workers.celery_app, workers.engine.toolcalls, workers.engine.tools_client, agent_rft.graders.batch",
 ])
 def test_importing_graders_pulls_in_no_web_framework_and_no_torch(modules):
     code = (f"import {modules}\nimport sys\n"

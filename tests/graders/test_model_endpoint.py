@@ -19,10 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import TypeAdapter
 
-from app.graders.batch import grade_many
-from app.graders.core import GradeResult, GraderContext, Sample, grade
-from app.graders.judges import close_http_client
-from app.graders.schemas import Grader
+from agent_rft.graders.batch import grade_many
+from agent_rft.graders.core import GradeResult, GraderContext, Sample, grade
+from agent_rft.graders.judges import close_http_client
+from agent_rft.graders.schemas import Grader
 from app.main import create_app
 from tests.conftest import free_port, serve_app
 
@@ -347,7 +347,7 @@ def test_endpoint_and_judge_requests_carry_the_rollouts_traceparent(judge):
     """Every attempt carries `traceparent: 00-<the trace id of the body's trace_id>-<new span>-01`."""
     import re
 
-    from app.core.tracing import w3c_trace_id
+    from agent_rft.tracing import w3c_trace_id
 
     scripted, base_url = judge
     trace_id = "trace_" + "ab12" * 8
@@ -437,7 +437,7 @@ def test_judge_503_with_an_http_date_retry_after_is_waited_out(judge):
 def test_graders_that_throttle_get_fewer_requests_at_once(judge):
     """The URL's AIMD limit: a burst of 20 gradings, 8 at once, meets twelve 429s; the limit halves
     (once per round of requests) and has not grown back to 8 by the end; every grading succeeds."""
-    from app.graders.judges import backpressure_stats
+    from agent_rft.graders.judges import backpressure_stats
 
     scripted, base_url = judge
     scripted.reset(*[(429, "busy", {"Retry-After": "0"})] * 12, default=(200, {"score": 1}), delay_s=0.05)
@@ -488,7 +488,7 @@ def test_a_grading_cancelled_mid_wait_counts_the_wait_as_far_as_it_went(judge):
     """The endpoint answers 429 Retry-After: 1 and the grading is cancelled 0.4 s into that wait
     (a deadline around it): the URL's account holds the throttled answer and the 0.4 s waited,
     not the second it asked for."""
-    from app.graders.judges import backpressure_stats
+    from agent_rft.graders.judges import backpressure_stats
 
     scripted, base_url = judge
     scripted.reset(default=(429, "busy", {"Retry-After": "1"}))
@@ -700,10 +700,16 @@ def test_graders_run_refuses_a_url_the_ssrf_guard_refuses_and_says_why(settings,
 # --- a real local judge -----------------------------------------------------------------------
 
 
+def test_a_process_without_a_model_loader_cannot_use_a_local_judge():
+    result = run_grade(score_grader(), "Revenue was 412.5", {"question": "Revenue in 2023?"},
+                       GraderContext(judge_local_model="SmolLM2-135M-Instruct"))
+    assert set_flags(result) == ["model_grader_server_error"] and result.reward == 0
+
+
 def test_local_smollm2_judge():
-    models = pytest.importorskip("workers.models", reason="workers.models (the model registry) is not written yet")
-    assert hasattr(models, "load_model")
-    ctx = GraderContext(judge_local_model="SmolLM2-135M-Instruct")
+    from workers.models.loading import load_model
+
+    ctx = GraderContext(judge_local_model="SmolLM2-135M-Instruct", load_judge_model=load_model)
     config = score_grader(sampling_params={"max_completions_tokens": 24})
     first = run_grade(config, "Revenue was 412.5", {"question": "Revenue in 2023?"}, ctx)
     loaded = ctx.shared["graders.local_judge"]

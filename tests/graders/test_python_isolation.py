@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
 from app.core.config import Settings
-from app.graders.core import GraderContext, Sample, grade
-from app.graders.isolation import STRONGEST, PythonIsolation
-from app.graders.sandbox import python_isolation
-from app.graders.schemas import Grader
+from agent_rft.graders.core import GraderContext, Sample, grade
+from agent_rft.graders.isolation import STRONGEST, PythonIsolation
+from agent_rft.graders.sandbox import python_isolation
+from agent_rft.graders.schemas import Grader
 from app.main import create_app
 from tests.conftest import Api, job_body, question_rows
 

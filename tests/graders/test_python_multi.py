@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from app.graders.core import GradeResult, GraderContext, Sample, grade
-from app.graders.schemas import Grader, MultiGrader
+from agent_rft.graders.core import GradeResult, GraderContext, Sample, grade
+from agent_rft.graders.schemas import Grader, MultiGrader
 
 GRADER = TypeAdapter(Grader)
 TIMEOUT_S = 2.0
@@ -212,8 +212,8 @@ def test_a_sleeping_grader_does_not_outlive_a_crashed_worker(tmp_path: Path) -> 
         [sys.executable, "-c", textwrap.dedent(
             """
             import asyncio
-            from app.graders.core import GraderContext, Sample, grade
-            from app.graders.schemas import PythonGrader
+            from agent_rft.graders.core import GraderContext, Sample, grade
+            from agent_rft.graders.schemas import PythonGrader
             source = "import os, time\\ndef grade(s, i):\\n    open('pid.txt', 'w').write(str(os.getpid()))\\n    time.sleep(600)\\n"
             config = PythonGrader(type="python", name="sleepy", source=source)
             asyncio.run(grade(config, Sample(), {}, GraderContext(python_timeout_s=600, python_memory_mb=256)))

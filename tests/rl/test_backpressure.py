@@ -15,8 +15,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from app.core.concurrency import AdaptiveLimit
-from app.core.retry import async_retrying, retry_after_s, throttle_wait_s
+from agent_rft.concurrency import AdaptiveLimit
+from agent_rft.retry import async_retrying, retry_after_s, throttle_wait_s
 from tests.conftest import serve_app
 from workers.engine.tools_client import ToolClient, ToolClientOptions, ToolEndpoint, ToolResult
 
@@ -171,7 +171,7 @@ def test_throttled_waits_stop_being_free_past_the_calls_budget(server: BusyTool)
 
 
 def test_the_policy_counts_a_wait_cut_short_by_cancellation_as_far_as_it_went() -> None:
-    """app.core.retry counts a throttled answer when it comes and its wait as it is waited: a
+    """agent_rft.retry counts a throttled answer when it comes and its wait as it is waited: a
     deadline that cancels the call 0.3 s into a 1 s wait leaves 1 answer and 0.3 s counted."""
     async def throttled() -> str:
         return "429"

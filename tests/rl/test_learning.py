@@ -15,7 +15,7 @@ import time
 import pytest
 from pydantic import TypeAdapter
 
-from app.graders.schemas import Grader
+from agent_rft.graders.schemas import Grader
 from tests.rl.test_trainer import RecordingHooks, rows, target_word, tools_url, train  # noqa: F401 - fixtures
 from workers.engine.rollout import EngineConfig
 from workers.methods.reinforcement.hyperparameters import TrainingConfig

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.core.tracing import idempotency_key, w3c_trace_id
+from agent_rft.tracing import idempotency_key, w3c_trace_id
 from tests.rl.test_tools_client import FAST, LOCAL, ToolServer, endpoint, running, server  # noqa: F401 - fixtures
 from workers.engine.rollout import RolloutRecord, ToolCallRecord
 from workers.engine.summary import summarize

@@ -20,8 +20,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import TypeAdapter, ValidationError
 
-from app.graders.core import GraderContext
-from app.graders.schemas import Grader
+from agent_rft.graders.core import GraderContext
+from agent_rft.graders.schemas import Grader
 from app.jobs.schemas import ReinforcementHyperparameters
 from tests.conftest import serve_app
 from tests.rl.policies import ScriptedPolicy

@@ -21,7 +21,7 @@ PASS_THRESHOLD = 0.5  # a reward at or above this counts as passed when the grad
 def read_grader(path: Path) -> Any:
     from pydantic import TypeAdapter, ValidationError
 
-    from app.graders.schemas import Grader
+    from agent_rft.graders.schemas import Grader
 
     try:
         return TypeAdapter(Grader).validate_json(path.read_bytes())
@@ -35,7 +35,8 @@ def eval_command(*, model: str, data: Path, tools_path: Path, grader_path: Path,
                  config: EngineConfig, settings: Any, json_out: Path | None, echo: Callable[[str], None],
                  dtype: str | None = None) -> dict[str, Any]:
     """Raises RolloutInputError (bad inputs) or ModelError (a model that cannot be loaded)."""
-    from app.graders.service import grader_context
+    from agent_rft.graders.core import GraderContext
+    from workers.models.loading import load_model
 
     grader = read_grader(grader_path)
     tools = read_tools(tools_path)
@@ -43,8 +44,8 @@ def eval_command(*, model: str, data: Path, tools_path: Path, grader_path: Path,
     if not specs:
         raise RolloutInputError(f"{data}: no rows")
     records = asyncio.run(run_rollouts(model, specs, tools, config, list(settings.outbound_allowlist), dtype))
-    graded = asyncio.run(grade_rollouts(grader, grader_context(settings), records, [s.item for s in specs],
-                                        grade_tool_failures=True))
+    grader_ctx = GraderContext.from_settings(settings, load_judge_model=load_model)
+    graded = asyncio.run(grade_rollouts(grader, grader_ctx, records, [s.item for s in specs], grade_tool_failures=True))
     report = eval_report(model, records, graded)
     echo(format_eval(report))
     if json_out:

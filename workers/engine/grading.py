@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any
 
-from app.graders.batch import BatchGrade, grade_many
-from app.graders.core import GraderContext, Sample
+from agent_rft.graders.batch import BatchGrade, grade_many
+from agent_rft.graders.core import GraderContext, Sample
 from workers import spans
 from workers.metrics import record_grading
 from workers.engine.rollout import RolloutRecord
@@ -24,7 +24,7 @@ def load_grader(grader: Any) -> Any:
         return grader
     from pydantic import TypeAdapter
 
-    from app.graders.schemas import Grader
+    from agent_rft.graders.schemas import Grader
 
     return TypeAdapter(Grader).validate_python(grader)
 

@@ -12,7 +12,7 @@ Outcomes, as `ToolResult.status`:
   redirect (not followed). The engine drops the rollout from the update and counts a tool failure.
   Backpressure is not failure: a 429/503 with Retry-After is waited out (at most
   `max_retry_after_s`) without spending a retry, and any 429/503 halves the tool's concurrency,
-  which creeps back up to `max_concurrency` on success (AIMD, app.core.concurrency).
+  which creeps back up to `max_concurrency` on success (AIMD, agent_rft.concurrency).
 - `blocked`: the SSRF guard refused the URL (no retries).
 - `unknown_tool`: no tool of that name is configured for the job.
 - `skipped`: the variance diagnostic was told to skip tools that are not read-only.
@@ -20,7 +20,7 @@ Outcomes, as `ToolResult.status`:
 rollout's deadline) hands its `on_cancel` what it did until then: its throttled answers and the
 seconds it waited count like a finished call's.
 
-Every request carries `Idempotency-Key` (the same on every attempt of one call, app.core.tracing)
+Every request carries `Idempotency-Key` (the same on every attempt of one call, agent_rft.tracing)
 and a W3C `traceparent` naming the rollout's trace (a new span id per attempt). A tool declared
 `read_only` with `cache` is answered from this client's cache (one per job) for an identical call;
 identical calls already in flight wait for the first one instead of calling again.
@@ -46,9 +46,9 @@ import httpx
 from aiolimiter import AsyncLimiter
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result
 
-from app.core.ids import new_id
-from app.core.concurrency import Backpressure
-from app.core.retry import (
+from agent_rft.ids import new_id
+from agent_rft.concurrency import Backpressure
+from agent_rft.retry import (
     THROTTLE_STATUS,
     async_retrying,
     excerpt,
@@ -57,8 +57,8 @@ from app.core.retry import (
     throttle_counts,
     throttle_wait_s,
 )
-from app.core.tracing import idempotency_key, traceparent
-from app.core.urls import BlockedURL, Resolver, guarded_client
+from agent_rft.tracing import idempotency_key, traceparent
+from agent_rft.urls import BlockedURL, Resolver, guarded_client
 from workers.spans import current_span_id
 from workers.metrics import record_tool_call
 
@@ -117,13 +117,13 @@ def _cache_ttl(cache: Any) -> float | None:
 
 @dataclass(frozen=True)
 class ToolClientOptions:
-    max_concurrency: int = 16  # in-flight requests per tool; AIMD below it on throttling (app.core.concurrency)
+    max_concurrency: int = 16  # in-flight requests per tool; AIMD below it on throttling (agent_rft.concurrency)
     rate_limit: float | None = None  # requests per second per tool; None: unlimited
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0  # longest silence while waiting for / reading the reply
     attempt_timeout_s: float = 120.0  # whole attempt, so a server trickling bytes cannot hang a rollout
     retries: int = 3
-    backoff_base_s: float = 0.5  # first backoff; doubled per retry, with jitter (app.core.retry)
+    backoff_base_s: float = 0.5  # first backoff; doubled per retry, with jitter (agent_rft.retry)
     backoff_max_s: float = 8.0
     # A 429/503 with Retry-After waits what it asks, at most this long, without spending `retries`...
     max_retry_after_s: float = 60.0
@@ -356,7 +356,7 @@ class ToolClient:
             event.set()
 
     def _retry_policy(self, tool: _Tool) -> AsyncRetrying:
-        """One call's retry policy (app.core.retry): its statistics count that call's attempts, and
+        """One call's retry policy (agent_rft.retry): its statistics count that call's attempts, and
         its throttled answers and waits as they happen."""
         def log_retry(retry_state: RetryCallState) -> None:
             logger.info("tool %s: attempt %d failed (%s); retrying", tool.endpoint.name,
@@ -522,5 +522,5 @@ def _is_retryable(attempt: _Attempt) -> bool:
 
 
 def _asked_wait(retry_state: RetryCallState) -> float | None:
-    """The policy's `throttle`: what a failed attempt's Retry-After asked (app.core.retry)."""
+    """The policy's `throttle`: what a failed attempt's Retry-After asked (agent_rft.retry)."""
     return retry_state.outcome.result().retry_after_s  # type: ignore[union-attr]

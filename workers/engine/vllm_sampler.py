@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from app.core.retry import async_retrying, excerpt, retry_transient_http, retryable_status
+from agent_rft.retry import async_retrying, excerpt, retry_transient_http, retryable_status
 from workers.engine.sampler import CacheHandle, GenerationOutput, GenerationRequest, OnToken, SamplerUnavailable
 
 log = logging.getLogger(__name__)

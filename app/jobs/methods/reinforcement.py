@@ -10,7 +10,7 @@ from app.core.config import Settings
 from app.dashboard.charts import Chart, Series
 from app.core.crypto import secret_box
 from app.core.errors import APIError, bad_request
-from app.core.urls import BlockedURL, guard_url
+from agent_rft.urls import BlockedURL, guard_url
 from app.graders.service import check_grader_urls, check_python_isolation
 from app.jobs import tool_headers
 from app.jobs.schemas import Method

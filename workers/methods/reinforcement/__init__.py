@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 async def train(run: JobRun) -> Any:
-    from app.graders.service import grader_context
+    from agent_rft.graders.core import GraderContext
+    from workers.models.loading import load_model
     from workers.methods.reinforcement.hyperparameters import resolve_hyperparameters
     from workers.engine.tools_client import ToolClient
     from workers.methods.reinforcement.trainer import Trainer
@@ -48,8 +49,9 @@ async def train(run: JobRun) -> Any:
         async with ToolClient(reinforcement.tools, allowlist=run.settings.outbound_allowlist) as tools, \
                 run.training_processes(loaded, config.training_mode, args, hooks,
                                        allowlist=run.settings.outbound_allowlist) as group:
-            trainer = Trainer(loaded=loaded, grader_ctx=grader_context(run.settings), tool_client=tools, hooks=hooks,
-                              sampler=sampler, group=group, **args)
+            grader_ctx = GraderContext.from_settings(run.settings, load_judge_model=load_model)
+            trainer = Trainer(loaded=loaded, grader_ctx=grader_ctx, tool_client=tools, hooks=hooks, sampler=sampler,
+                              group=group, **args)
             return await trainer.run()
     finally:
         if sampler is not None:

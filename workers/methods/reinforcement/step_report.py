@@ -36,7 +36,7 @@ class GraderLoad:
 
     @classmethod
     def of(cls, ctx: Any) -> GraderLoad:
-        from app.graders.judges import backpressure_stats
+        from agent_rft.graders.judges import backpressure_stats
 
         urls = backpressure_stats(ctx).values()
         return cls(int(sum(u["throttled"] for u in urls)), float(sum(u["throttle_wait_s"] for u in urls)),

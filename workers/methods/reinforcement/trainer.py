@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from app.graders.core import GraderContext
+from agent_rft.graders.core import GraderContext
 from workers.training.distributed.group import TrainingGroup, shares
 from workers.training.data import fixed_subset, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
 from workers.engine.grading import GradedRollout, grade_rollouts, load_grader, mean_or_none, sub_reward_means

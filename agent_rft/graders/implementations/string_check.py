@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.graders.core import GradeResult, GraderContext, Sample, implements
-from app.graders.templating import render
+from agent_rft.graders.core import GradeResult, GraderContext, Sample, implements
+from agent_rft.graders.templating import render
 
 
 def _holds(operation: str, text: str, reference: str) -> bool:

@@ -1,5 +1,5 @@
 """`python`: the customer's source defines `grade(sample, item) -> float`; the reward is what it
-returns. It runs in app.graders.sandbox: a separate interpreter without network, with the
+returns. It runs in agent_rft.graders.sandbox: a separate interpreter without network, with the
 deployment's time and memory limits (AGENT_RFT_PYTHON_GRADER_TIMEOUT_S / _MEMORY_MB), reading
 nothing outside the standard library and its own temporary directory. Below the deployment's
 least isolation (AGENT_RFT_PYTHON_GRADER_MIN_ISOLATION) it does not run: python_grader_server_error.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.graders.core import GradeResult, GraderContext, Sample, implements
-from app.graders.sandbox import SandboxLimits, run_grade_function
+from agent_rft.graders.core import GradeResult, GraderContext, Sample, implements
+from agent_rft.graders.sandbox import SandboxLimits, run_grade_function
 
 
 @implements("python")

@@ -7,9 +7,9 @@ messages with a `JudgeReply`; failures to get an answer raise GraderError with
 
 The outbound half (`post_json`, `http_client`) is also what the `endpoint` grader uses:
 one SSRF-guarded, pooled httpx client per context and event loop, and retries with backoff
-(the policy of app.core.retry). Backpressure is not failure: a 429/503 with Retry-After waits
+(the policy of agent_rft.retry). Backpressure is not failure: a 429/503 with Retry-After waits
 as asked (at most `ctx.max_retry_after_s`) without spending an attempt, and each URL's
-concurrency adapts (AIMD, app.core.concurrency, up to `ctx.max_concurrency_per_url`).
+concurrency adapts (AIMD, agent_rft.concurrency, up to `ctx.max_concurrency_per_url`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 from tenacity import RetryCallState, retry_if_exception_type
 
-from app.core.concurrency import Backpressure
-from app.core.extras import missing_extra
-from app.core.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_status, throttle_wait_s
-from app.core.tracing import traceparent
-from app.core.urls import BlockedURL, guard_url, guarded_client
-from app.graders.core import GraderContext, GraderError
+from agent_rft.concurrency import Backpressure
+from agent_rft.extras import missing_extra
+from agent_rft.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_status, throttle_wait_s
+from agent_rft.tracing import traceparent
+from agent_rft.urls import BlockedURL, guard_url, guarded_client
+from agent_rft.graders.core import GraderContext, GraderError
 
 RETRY_BACKOFF_S = 0.5  # first backoff; doubled per retry, with jitter
 RETRY_BACKOFF_MAX_S = 8.0
@@ -254,9 +254,9 @@ def _load_local_judge(ctx: GraderContext) -> _LocalJudge:
             if message := missing_extra("worker", "a local judge model (AGENT_RFT_JUDGE_LOCAL_MODEL)", "torch",
                                         "transformers"):
                 raise GraderError("model_grader_server_error", message)
-            from workers.models.loading import load_model  # torch only where a local judge is used
-
-            model, tokenizer = load_model(ctx.judge_local_model)
+            if ctx.load_judge_model is None:
+                raise GraderError("model_grader_server_error", "this process cannot load a local judge model")
+            model, tokenizer = ctx.load_judge_model(ctx.judge_local_model)
             model.eval()
             judge = ctx.shared["graders.local_judge"] = _LocalJudge(ctx.judge_local_model, model, tokenizer)
         return judge

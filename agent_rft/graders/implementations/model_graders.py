@@ -12,11 +12,11 @@ import math
 import re
 from typing import Any
 
-from app.core.retry import excerpt
-from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.judges import JudgeReply, ask_judge
-from app.graders.schemas import LabelModelGrader, ScoreModelGrader
-from app.graders.templating import render
+from agent_rft.retry import excerpt
+from agent_rft.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
+from agent_rft.graders.judges import JudgeReply, ask_judge
+from agent_rft.graders.schemas import LabelModelGrader, ScoreModelGrader
+from agent_rft.graders.templating import render
 
 DEFAULT_RANGE = (0.0, 1.0)
 _FENCED = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.DOTALL)

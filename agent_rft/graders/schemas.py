@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from app.core.schema_tags import register_union_tags
-from app.core.urls import check_http_url
-from app.graders.core import GraderError
-from app.graders.templating import check_template
+from agent_rft.schema_tags import register_union_tags
+from agent_rft.urls import check_http_url
+from agent_rft.graders.core import GraderError
+from agent_rft.graders.templating import check_template
 
 
 class _Grader(BaseModel):
@@ -157,7 +157,7 @@ class EndpointGrader(_Grader):
 
 def check_formula(formula: str, names: set[str]) -> None:
     """Parse `calculate_output` with the multi grader's own parser (never evaluated here)."""
-    from app.graders.formula import FormulaError, parse_formula
+    from agent_rft.graders.formula import FormulaError, parse_formula
 
     try:
         parse_formula(formula, names)

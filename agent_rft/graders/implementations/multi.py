@@ -1,5 +1,5 @@
 """`multi`: grade the sample with every sub-grader in `graders` at once, then combine their rewards
-with the `calculate_output` formula (app.graders.formula: + - * / ^, min max abs floor ceil exp
+with the `calculate_output` formula (agent_rft.graders.formula: + - * / ^, min max abs floor ceil exp
 sqrt log, the sub-graders' keys as names; never Python's eval).
 
 - `sub_rewards` and `scores` map each key to its sub-grader's reward.
@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from app.graders import core
-from app.graders.core import DETAIL_FIELDS, ERROR_FLAGS, GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.formula import FormulaError, FormulaMathError, evaluate, parse_formula
+from agent_rft.graders import core
+from agent_rft.graders.core import DETAIL_FIELDS, ERROR_FLAGS, GradeResult, GraderContext, GraderError, Sample, implements
+from agent_rft.graders.formula import FormulaError, FormulaMathError, evaluate, parse_formula
 
 
 @implements("multi")

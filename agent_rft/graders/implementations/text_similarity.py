@@ -15,9 +15,9 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from app.core.extras import missing_extra
-from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.templating import render
+from agent_rft.extras import missing_extra
+from agent_rft.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
+from agent_rft.graders.templating import render
 
 # A lone surrogate (from bytes decoded with "surrogateescape", or a "\ud800" JSON escape) cannot be
 # encoded as UTF-8, which the tokenizers of several libraries need: it becomes U+FFFD instead.

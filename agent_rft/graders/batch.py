@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.graders.core import ERROR_FLAGS, GradeResult, GraderContext, GraderError, Sample, grade
+from agent_rft.graders.core import ERROR_FLAGS, GradeResult, GraderContext, GraderError, Sample, grade
 
 
 @dataclass

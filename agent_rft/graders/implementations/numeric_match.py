@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.templating import render
+from agent_rft.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
+from agent_rft.graders.templating import render
 
 SCALES = {
     "thousand": 1e3, "thousands": 1e3, "k": 1e3,

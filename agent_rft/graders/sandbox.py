@@ -8,7 +8,7 @@ Layers; where the machine refuses one (namespaces, switching users), the others 
 2. A network namespace where the kernel allows one (`unshare --net` when the child then becomes
    `nobody`, else `unshare --user --map-root-user --net`, which also takes away the capabilities
    of a root service): the process has no network interface but a loopback that is down.
-   What the machine allows of 2 and 3 is its isolation level (app/graders/isolation.py); below
+   What the machine allows of 2 and 3 is its isolation level (agent_rft/graders/isolation.py); below
    the deployment's minimum the grader does not run at all.
 3. A root service's child drops to `nobody` before running user code (when `nobody` can read
    the standard library).
@@ -48,8 +48,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from app.graders.core import GraderError
-from app.graders.isolation import STRONGEST, PythonIsolation
+from agent_rft.graders.core import GraderError
+from agent_rft.graders.isolation import STRONGEST, PythonIsolation
 
 log = logging.getLogger(__name__)
 

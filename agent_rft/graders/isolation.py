@@ -1,4 +1,4 @@
-"""The python grader sandbox's isolation levels, weakest first (app/graders/sandbox.py probes which
+"""The python grader sandbox's isolation levels, weakest first (agent_rft/graders/sandbox.py probes which
 one a machine allows). Imports nothing of the service: app/core/config.py types its settings with it.
 
 - `audit_hook`: no namespace could be had; only the in-process audit hook (PEP 578, which says

@@ -10,7 +10,7 @@ answer does not halve the limit again, so a burst of 429s from one round of requ
 once, not once per request.
 
 Used by the tool client (workers/engine/tools_client.py, one per tool) and the graders' outbound
-calls (app/graders/judges.py, one per URL). Bound to the event loop that first waits on it.
+calls (agent_rft/graders/judges.py, one per URL). Bound to the event loop that first waits on it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.retry import throttle_counts
+from agent_rft.retry import throttle_counts
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class AdaptiveLimit:
 @dataclass
 class Backpressure:
     """One endpoint's adaptive concurrency and what its throttling cost so far: the answers that
-    asked to wait (429/503 with Retry-After, app.core.retry) and the seconds waited for them."""
+    asked to wait (429/503 with Retry-After, agent_rft.retry) and the seconds waited for them."""
 
     limit: AdaptiveLimit
     throttled: int = 0

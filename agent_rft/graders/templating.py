@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from app.graders.core import GraderError, Sample
+from agent_rft.graders.core import GraderError, Sample
 
 _HOLE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 _STEP = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_\-]*)|\[(-?\d+)\]|\[\s*[\"']([^\"']*)[\"']\s*\]")

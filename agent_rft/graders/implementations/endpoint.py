@@ -1,9 +1,9 @@
 """`endpoint`: the customer's own HTTP grader (its wire contract: docs/grader-endpoint.md).
 
 POST {url} with the configured headers, a W3C `traceparent` of the rollout's trace
-(app.core.tracing) and `{"sample", "item", "trace_id"}`; the reply is
+(agent_rft.tracing) and `{"sample", "item", "trace_id"}`; the reply is
 `{"score": <number>}` (`{"reward": <number>}` is accepted too). 5xx, 408, 429, timeouts and
-connection errors are retried 3 times with backoff (app.core.retry); `rate_limit` caps requests
+connection errors are retried 3 times with backoff (agent_rft.retry); `rate_limit` caps requests
 per second to one URL across every concurrent grading in this process.
 """
 
@@ -14,12 +14,12 @@ from typing import Any
 
 from aiolimiter import AsyncLimiter
 
-from app.core.ids import new_id
-from app.core.retry import excerpt
-from app.core.urls import BlockedURL
-from app.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
-from app.graders.judges import Unresponsive, loop_state, post_json
-from app.graders.schemas import EndpointGrader
+from agent_rft.ids import new_id
+from agent_rft.retry import excerpt
+from agent_rft.urls import BlockedURL
+from agent_rft.graders.core import GradeResult, GraderContext, GraderError, Sample, implements
+from agent_rft.graders.judges import Unresponsive, loop_state, post_json
+from agent_rft.graders.schemas import EndpointGrader
 
 ATTEMPTS = 4  # the first try and 3 retries
 

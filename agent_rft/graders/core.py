@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from app.graders.isolation import PythonIsolation
+from agent_rft.graders.isolation import PythonIsolation
 
 # OpenAI's `metadata.errors` flags, all reported on every result.
 ERROR_FLAGS = (
@@ -133,7 +133,7 @@ class GraderContext:
     # ...or a local transformers model (a name from the model registry, or a directory).
     judge_local_model: str | None = None
     request_timeout_s: float = 30.0
-    # Backpressure of endpoint graders and remote judges (app/graders/judges.py): the longest wait a
+    # Backpressure of endpoint graders and remote judges (agent_rft/graders/judges.py): the longest wait a
     # Retry-After gets, the most such waits one request may add up, in-flight requests per URL (AIMD).
     max_retry_after_s: float = 60.0
     max_throttle_wait_s: float = 600.0
@@ -146,6 +146,27 @@ class GraderContext:
     http_client: httpx.AsyncClient | None = None
     # Shared state of grader implementations (rate limiters, loaded judges), keyed by their owner.
     shared: dict[str, Any] = field(default_factory=dict)
+    # Loads the local judge by name into (model, tokenizer): the workers' model loader, given by the
+    # process that runs graders (the library itself loads no model).
+    load_judge_model: Callable[[str], Any] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, load_judge_model: Callable[[str], Any] | None = None) -> GraderContext:
+        """The deployment's grader services, from its settings (app/core/config.py's `Settings`)."""
+        return cls(
+            load_judge_model=load_judge_model,
+            outbound_allowlist=list(settings.outbound_allowlist),
+            judge_base_url=settings.judge_base_url,
+            judge_api_key=settings.judge_api_key.get_secret_value() if settings.judge_api_key else None,
+            judge_local_model=settings.judge_local_model,
+            request_timeout_s=settings.grader_timeout_s,
+            max_retry_after_s=settings.grader_max_retry_after_s,
+            max_concurrency_per_url=settings.grader_max_concurrency,
+            python_timeout_s=settings.python_grader_timeout_s,
+            python_memory_mb=settings.python_grader_memory_mb,
+            python_min_isolation=settings.python_grader_required_isolation,
+            python_isolation_cap=settings.python_grader_isolation_cap,
+        )
 
 
 GradeFn = Callable[[Any, Sample, dict[str, Any], GraderContext, str | None], Awaitable[GradeResult]]
@@ -164,7 +185,7 @@ async def grade(
     config: Any, sample: Sample, item: dict[str, Any], ctx: GraderContext, trace_id: str | None = None
 ) -> GradeResult:
     """Grade one sample. Never raises for a grading failure: the result carries the flag."""
-    from app.graders import implementations  # noqa: F401 - registers every type
+    from agent_rft.graders import implementations  # noqa: F401 - registers every type
 
     started = time.perf_counter()
     try:
