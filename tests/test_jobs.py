@@ -140,7 +140,7 @@ BAD_BODIES = [
     (lambda b: b.update(training_file="file-doesnotexist"), "training_file"),
     (lambda b: b.update(validation_file="file-doesnotexist"), "validation_file"),
     (lambda b: b.pop("model"), "model"),
-    (lambda b: b["method"].update(type="dpo"), "method.type"),
+    (lambda b: b["method"].update(type="dpo"), "method.reinforcement"),  # a block of another method than the type
     (lambda b: b["method"].update(type="distillation"), "method.type"),
     (lambda b: b.update(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
     (lambda b: b.update(seed="abc"), "seed"),
@@ -172,12 +172,13 @@ def test_a_strict_json_schema_response_format_is_kept_on_the_job(api):
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["method"]["reinforcement"]["response_format"] == answer_format
 
 
-def test_dpo_is_refused_clearly(api):
+def test_a_method_no_one_registered_is_refused_clearly(api):
     file_id = api.upload_ok(question_rows())
-    response = create(api, {"model": "m", "training_file": file_id, "method": {"type": "dpo", "dpo": {}}})
-    assert response.json()["error"]["code"] == "unsupported_method"
-    assert "'reinforcement'" in response.json()["error"]["message"]
-    assert "'supervised'" in response.json()["error"]["message"]
+    response = create(api, {"model": "m", "training_file": file_id, "method": {"type": "ppo", "ppo": {}}})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "unsupported_method"
+    assert response.json()["error"]["param"] == "method.type"
+    for method in ("'reinforcement'", "'supervised'", "'dpo'"):
+        assert method in response.json()["error"]["message"]
 
 
 def test_ssrf_guard_on_tool_and_grader_urls(client, app, project):

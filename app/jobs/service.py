@@ -115,6 +115,10 @@ def check_method(method: Method | None, settings: Settings, *,
     if method.type not in supported:
         raise APIError(400, f"method.type '{method.type}' is not supported here; use "
                             f"{' or '.join(repr(t) for t in supported)}.", code="unsupported_method", param="method.type")
+    given = {name for name, value in method if name != "type" and value is not None}
+    for other in sorted(given - {method.type}):  # silently training without the options given would mislead
+        raise bad_request(f"method.{other} does not apply to method.type '{method.type}'; give method.{method.type}.",
+                          param=f"method.{other}")
     return METHODS[method.type].stored_block(method, settings)
 
 

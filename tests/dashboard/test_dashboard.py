@@ -338,7 +338,7 @@ def test_a_reinforcement_jobs_page_keeps_its_reward_panels(client, project, runn
     page = client.get(f"/dashboard/jobs/{running_job}").text
     assert "<dt>Train reward (latest)</dt>" in page and "Browse rollouts" in page and 'id="tool-mix-share"' in page
     assert "max_episode_steps" in page and 'id="grader-title"' in page and "validation reward and the latest" in page
-    assert {c["method"] for c in config_of(page)["charts"]} == {"reinforcement"}
+    assert [c["id"] for c in config_of(page)["charts"]] == [c["id"] for c in chart_specs("reinforcement")]
 
 
 def test_finish_reasons_match_the_rollout_engine():

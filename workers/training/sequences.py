@@ -14,7 +14,7 @@ import torch
 
 from workers.engine.constraints import unpacked
 from workers.engine.rollout import RolloutRecord
-from workers.models.cpu.cpu_speedups import adapters_in_model_dtype, fused_rms_norms, fused_rotary
+from workers.models.cpu.cpu_speedups import training_forward
 
 
 @dataclass
@@ -216,7 +216,7 @@ def target_logits(model: torch.nn.Module, batch: Collated) -> tuple[torch.Tensor
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     positions = batch.positions[columns]
     decoder = causal_lm.get_decoder()
-    with adapters_in_model_dtype(model), fused_rms_norms(model), fused_rotary(model):
+    with training_forward(model):
         prefix = None
         if batch.prefix_ids is not None:  # fed once; every row attends to (and backpropagates into) it
             prefix = decoder(input_ids=batch.prefix_ids, use_cache=True).cache

@@ -84,7 +84,7 @@ class DpoTrainer(TrainingRun):
         trained = await asyncio.to_thread(self._update, batch)
         evaluated = self._evaluates_at(step)
         valid = await self._score(self.valid_subset) if evaluated and self.valid_subset else None
-        full_valid = await self._score(self.valid.pairs) if step == self.total_steps and self.valid.pairs else None
+        full_valid = await self._full_valid(step, valid)
         metrics = step_metrics(step, self.total_steps, trained, valid, full_valid,
                                learning_rate=self.optimizer.param_groups[0]["lr"], step_s=time.perf_counter() - started)
         return StepResult(metrics, sum(pair.tokens for pair in batch), next_position, evaluated)
@@ -105,6 +105,13 @@ class DpoTrainer(TrainingRun):
                             sync_gradients=self.group.all_reduce_gradients)
         gathered = self.group.gather(scores)
         return PairScores.merged(gathered) if gathered else scores
+
+    async def _full_valid(self, step: int, valid: PairScores | None) -> PairScores | None:
+        """Every validation pair's scores at the last step: the subset's when that was all of them."""
+        if step != self.total_steps or not self.valid.pairs:
+            return None
+        whole = valid is not None and len(self.valid_subset) == len(self.valid.pairs)
+        return valid if whole else await self._score(self.valid.pairs)
 
     async def _score(self, pairs: list[Pair]) -> PairScores:
         c = self.config

@@ -80,8 +80,7 @@ class SupervisedTrainer(TrainingRun):
         trained = await asyncio.to_thread(self._update, batch)
         evaluated = self._evaluates_at(step)
         valid = await self._score(self.valid_subset) if evaluated and self.valid_subset else None
-        full_valid = await self._score(self.valid.sequences) if step == self.total_steps and self.valid.sequences \
-            else None
+        full_valid = await self._full_valid(step, valid)
         metrics = _step_metrics(step, self.total_steps, trained, valid, full_valid,
                                 learning_rate=self.optimizer.param_groups[0]["lr"],
                                 step_s=time.perf_counter() - started)
@@ -102,6 +101,13 @@ class SupervisedTrainer(TrainingRun):
                                    step_tokens=step_tokens, sync_gradients=self.group.all_reduce_gradients)
         gathered = self.group.gather(scores)
         return TokenScores.merged(gathered) if gathered else scores
+
+    async def _full_valid(self, step: int, valid: TokenScores | None) -> TokenScores | None:
+        """Every validation row's scores at the last step: the subset's when that was all of them."""
+        if step != self.total_steps or not self.valid.sequences:
+            return None
+        whole = valid is not None and len(self.valid_subset) == len(self.valid.sequences)
+        return valid if whole else await self._score(self.valid.sequences)
 
     async def _score(self, sequences: list[TrainSequence]) -> TokenScores:
         return await asyncio.to_thread(score, self.model, sequences, pad_token_id=self.pad_token_id,

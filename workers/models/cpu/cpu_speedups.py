@@ -1,7 +1,8 @@
 """CPU speed-ups while sampling and training: fused RMSNorm and rotary kernels, linear weights
 packed for oneDNN's bf16 kernels (and fed their siblings' input once), LoRA merged into the
 weights for sampling, adapters cast to the model's dtype. Each is a context manager that puts
-the model back as it was; none applies on a GPU."""
+the model back as it was; none of the CPU ones applies on a GPU. Sampling applies them through
+one call (`sampling_weights`), training through another (`training_forward`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def sampling_weights(model: Any) -> Iterator[dict[str, int]]:
     CPU speed-ups (cpu_speedups). Yields the layer counts."""
     with merged_lora_weights(model) as merged, cpu_speedups(model) as speedups:
         yield {"merged_lora_layers": merged, **speedups}
+
+
+@contextmanager
+def training_forward(model: Any) -> Iterator[None]:
+    """What the update's forward and backward run under, as one unit: LoRA adapters in the model's
+    dtype (adapters_in_model_dtype) and, on a CPU, RMSNorm and rotary on our kernels
+    (fused_rms_norms, fused_rotary, whose backward the kernels also give)."""
+    with adapters_in_model_dtype(model), fused_rms_norms(model), fused_rotary(model):
+        yield
 
 
 @contextmanager
