@@ -92,6 +92,9 @@ def test_a_killed_follower_is_named_and_the_job_resumes_from_its_last_saved_step
 
 
 def test_a_state_saved_by_two_processes_resumes_on_one(two_process_settings, project, pg_url):
+    # Leases long enough that a heartbeat delayed by a loaded machine does not hand the job to a
+    # new claim mid-test: this test is about the saved state, not about a lost worker.
+    two_process_settings.lease_seconds = 15
     with live_server(two_process_settings) as base, tool_server(latency_s=0.2) as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
         with celery_worker(two_process_settings, base) as (_, log):
@@ -107,5 +110,6 @@ def test_a_state_saved_by_two_processes_resumes_on_one(two_process_settings, pro
             assert status_of(sdk, job_id) == "succeeded", log.read_text()[-3000:]
         events = events_of(sdk, job_id)
         assert sum("Training on 2 processes" in e.message for e in events) == 1  # the resumed run: one process
-        assert any(f"Resumed training at step {paused_at[-1]}" in e.message for e in events)
+        assert any(f"Resumed training at step {paused_at[-1]}" in e.message for e in events), \
+            (paused_at, [e.message for e in events])
         assert_each_step_once(sdk, pg_url, job_id)
