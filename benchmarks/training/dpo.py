@@ -35,7 +35,6 @@ step ≤ 0.5 (against TRL's default step).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -46,8 +45,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.training.run import (CHILD_TIMEOUT_S, LORA_ALPHA, LORA_RANK, LORA_TARGETS, REPO, SEED, TRL_VERSION,
-                                     _torch_threads, _trl_version, peak_rss_mb, rss_mb)
+from benchmarks.training.run import (CHILD_TIMEOUT_S, LORA_ALPHA, LORA_RANK, LORA_TARGETS, REPO, SEED,
+                                     _torch_threads, _trl_version, peak_rss_mb, rss_mb, trl_missing_reason)
 
 RESULTS = REPO / "benchmarks" / "results" / "training_dpo.json"
 MODEL = "SmolLM2-135M-Instruct"
@@ -274,19 +273,8 @@ def run_child(side: str, args: argparse.Namespace) -> dict[str, Any]:
         return result
 
 
-def trl_missing_reason() -> str | None:
-    advice = f"install the bench extra (pip install 'trl=={TRL_VERSION}') to compare against TRL's DPOTrainer"
-    if importlib.util.find_spec("trl") is None:
-        return f"TRL is not installed, so only our trainer was measured: {advice}"
-    try:
-        from trl import DPOTrainer  # noqa: F401 - only checking that it imports
-    except Exception as exc:  # noqa: BLE001 - any import failure means the same: no TRL rows
-        return f"TRL is installed but does not import ({type(exc).__name__}: {exc}); {advice}"
-    return None
-
-
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    reason = trl_missing_reason()
+    reason = trl_missing_reason("DPOTrainer")
     rows = {side: ({"skipped": reason} if reason and side != "ours" else run_child(side, args)) for side in SIDES}
     ours = rows["ours"]
     # Over one epoch every pair is scored by the reference once: the step plus its pairs' share.

@@ -264,13 +264,13 @@ def run_child(which: str, args: argparse.Namespace) -> dict[str, Any]:
         return result
 
 
-def trl_missing_reason() -> str | None:
-    """Why TRL's row is skipped, or None when `from trl import GRPOTrainer` works."""
-    advice = f"install the bench extra (pip install 'trl=={TRL_VERSION}') to compare against TRL's GRPOTrainer"
+def trl_missing_reason(trainer: str = "GRPOTrainer") -> str | None:
+    """Why TRL's rows are skipped, or None when `from trl import <trainer>` works."""
+    advice = f"install the bench extra (pip install 'trl=={TRL_VERSION}') to compare against TRL's {trainer}"
     if importlib.util.find_spec("trl") is None:
         return f"TRL is not installed, so only our trainer was measured: {advice}"
     try:
-        from trl import GRPOTrainer  # noqa: F401 - only checking that it imports
+        getattr(importlib.import_module("trl"), trainer)  # only checking that it imports
     except Exception as exc:  # noqa: BLE001 - any import failure means the same: no TRL row
         return f"TRL is installed but does not import ({type(exc).__name__}: {exc}); {advice}"
     return None

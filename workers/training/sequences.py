@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ import torch
 from workers.engine.constraints import unpacked
 from workers.engine.rollout import RolloutRecord
 from workers.models.cpu.cpu_speedups import training_forward
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,7 +49,7 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
     The loss is a mean over all the step's sequences, so the grouping changes only float rounding,
     not the update."""
     if not by_prompt:
-        return _chunks(sequences, max_tokens, by_length=by_length, shared=False)
+        return chunked(sequences, max_tokens, rows=_alone, by_length=by_length, shared=False)
     buckets: dict[tuple[int, ...], list[TrainSequence]] = {}
     for sequence in sequences:
         buckets.setdefault(_prompt_of(sequence), []).append(sequence)
@@ -58,21 +60,29 @@ def micro_batches(sequences: list[TrainSequence], max_tokens: int, *, by_length:
         else:
             alone.extend(bucket)
     return [batch for bucket in [*prompts, alone]
-            for batch in _chunks(bucket, max_tokens, by_length=by_length, shared=True)]
+            for batch in chunked(bucket, max_tokens, rows=_alone, by_length=by_length, shared=True)]
 
 
-def _chunks(sequences: list[TrainSequence], max_tokens: int, *, by_length: bool, shared: bool
-            ) -> list[list[TrainSequence]]:
-    batches: list[list[TrainSequence]] = []
-    current: list[TrainSequence] = []
-    for sequence in sorted(sequences, key=lambda s: len(s.token_ids)) if by_length else sequences:
-        if current and padded_cost([*current, sequence], shared=shared) > max_tokens:
+def chunked(items: list[T], max_tokens: int, *, rows: Callable[[T], list[TrainSequence]], by_length: bool = True,
+            shared: bool) -> list[list[T]]:
+    """`items` in runs whose rows (`rows(item)`: a sequence, or both answers of a pair) cost at most
+    `max_tokens` padded tokens together (`padded_cost`); an item costing more is a run of its own.
+    With `by_length`, items are taken shortest first, so a run's rows pad little."""
+    ordered = sorted(items, key=lambda item: sum(len(s.token_ids) for s in rows(item))) if by_length else items
+    batches: list[list[T]] = []
+    current: list[T] = []
+    for item in ordered:
+        if current and padded_cost([row for i in (*current, item) for row in rows(i)], shared=shared) > max_tokens:
             batches.append(current)
             current = []
-        current.append(sequence)
+        current.append(item)
     if current:
         batches.append(current)
     return batches
+
+
+def _alone(sequence: TrainSequence) -> list[TrainSequence]:
+    return [sequence]
 
 
 def _prompt_of(sequence: TrainSequence) -> tuple[int, ...]:

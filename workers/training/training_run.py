@@ -12,6 +12,7 @@ import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from workers import spans
-from workers.training.distributed.group import OneProcess, RankLost, TrainingGroup
+from workers.training.distributed.group import OneProcess, RankLost, TrainingGroup, shares
 from workers.models.lora import training_mode
 from workers.models.registry import LoadedModel, save_model_dir
 from workers.engine.sampler import SamplerUnavailable
@@ -81,7 +82,7 @@ class StepFailure(Exception):
 
 class TrainingRun:
     """The lifecycle; subclasses set `model`, `optimizer` and `progress` in `_setup` and train in
-    `_train_step`. `config` needs `training_mode` (how checkpoints are written)."""
+    `_train_step` (with `_shared_update`, a method defines `update_share`; with `_validation`, `_score`). `config` needs `training_mode` (how checkpoints are written)."""
 
     def __init__(self, *, loaded: LoadedModel, config: Any, work_dir: Path, hooks: TrainingHooks,
                  resume_state: Path | None, total_steps: int, group: TrainingGroup | None = None) -> None:
@@ -108,6 +109,28 @@ class TrainingRun:
 
     async def _train_step(self, step: int) -> StepResult:
         raise NotImplementedError
+
+    def _shared_update(self, items: list, weight: Callable[[Any], int], total: int) -> Any:
+        """One optimizer step over `items` (blocking), shared out over the training processes: each
+        takes a share of about equal `weight` and runs the method's `update_share(parts, total)`,
+        `total` being what the step's loss is divided by (the gradients are summed over the shares)."""
+        parts = shares(items, self.group.world_size, weight=weight)
+        self.group.command("update_share", parts, total)
+        return self.update_share(parts, total)
+
+    def _step_statistics(self, mine: Any, merged: Callable[[list], Any]) -> Any:
+        """The step's statistics on rank 0, `merged` from every process's (only this process's alone)."""
+        gathered = self.group.gather(mine)
+        return merged(gathered) if gathered and len(gathered) > 1 else mine
+
+    async def _validation(self, step: int, evaluated: bool, subset: list, everything: list) -> tuple[Any, Any]:
+        """The method's `_score` of the validation subset at an eval step, and of every validation
+        item at the last step (the subset's when that was all of them); None where not scored."""
+        valid = await self._score(subset) if evaluated and subset else None
+        if step != self.total_steps or not everything:
+            return valid, None
+        whole = valid is not None and len(subset) == len(everything)
+        return valid, valid if whole else await self._score(everything)
 
     def _evaluates_at(self, step: int) -> bool:
         """Every `eval_interval` steps and at the last: validation scores and a checkpoint."""

@@ -18,7 +18,7 @@ import torch
 
 from workers.methods.dpo.data import Pair
 from workers.models.loading import release_freed_memory
-from workers.training.sequences import Collated, padded_cost, collate, target_logits
+from workers.training.sequences import Collated, chunked, collate, target_logits
 
 
 TIE_NATS = 1e-3  # log-ratio margins below this count as ties in the preference accuracy
@@ -63,16 +63,7 @@ class PairScores:
 def pair_batches(pairs: list[Pair], max_tokens: int) -> list[list[Pair]]:
     """Micro-batches of whole pairs within `max_tokens` padded tokens (a shared conversation
     counted once), pairs sorted by length so that a batch's rows pad little."""
-    batches: list[list[Pair]] = []
-    current: list[Pair] = []
-    for pair in sorted(pairs, key=lambda p: p.tokens):
-        if current and padded_cost(_rows([*current, pair]), shared=True) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(pair)
-    if current:
-        batches.append(current)
-    return batches
+    return chunked(pairs, max_tokens, rows=lambda pair: [pair.chosen, pair.rejected], shared=True)
 
 
 def _rows(pairs: list[Pair]) -> list:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.training.distributed.group import TrainingGroup, shares
+from workers.training.distributed.group import TrainingGroup
 from workers.methods.dpo.data import Pair, Pairs, pairs_from_rows
 from workers.methods.dpo.hyperparameters import DpoConfig
 from workers.methods.dpo.loss import PairScores, dpo_update, reference_logprobs, score_pairs
@@ -83,8 +83,7 @@ class DpoTrainer(TrainingRun):
         batch = [self.train.pairs[row] for row in rows]
         trained = await asyncio.to_thread(self._update, batch)
         evaluated = self._evaluates_at(step)
-        valid = await self._score(self.valid_subset) if evaluated and self.valid_subset else None
-        full_valid = await self._full_valid(step, valid)
+        valid, full_valid = await self._validation(step, evaluated, self.valid_subset, self.valid.pairs)
         metrics = step_metrics(step, self.total_steps, trained, valid, full_valid,
                                learning_rate=self.optimizer.param_groups[0]["lr"], step_s=time.perf_counter() - started)
         return StepResult(metrics, sum(pair.tokens for pair in batch), next_position, evaluated)
@@ -92,9 +91,7 @@ class DpoTrainer(TrainingRun):
     def _update(self, pairs: list[Pair]) -> PairScores:
         """One optimizer step over the pairs (blocking); with several training processes each takes
         a share of about equal tokens and their gradients are summed."""
-        parts = shares(pairs, self.group.world_size, weight=lambda pair: pair.tokens)
-        self.group.command("update_share", parts, len(pairs))
-        return self.update_share(parts, len(pairs))
+        return self._shared_update(pairs, lambda pair: pair.tokens, len(pairs))
 
     def update_share(self, parts: list[list[Pair]], n_pairs: int) -> PairScores:
         """This process's part of the step (every rank runs it); the step's scores on rank 0."""
@@ -103,15 +100,7 @@ class DpoTrainer(TrainingRun):
                             pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
                             max_grad_norm=c.max_grad_norm, n_pairs=n_pairs,
                             sync_gradients=self.group.all_reduce_gradients)
-        gathered = self.group.gather(scores)
-        return PairScores.merged(gathered) if gathered else scores
-
-    async def _full_valid(self, step: int, valid: PairScores | None) -> PairScores | None:
-        """Every validation pair's scores at the last step: the subset's when that was all of them."""
-        if step != self.total_steps or not self.valid.pairs:
-            return None
-        whole = valid is not None and len(self.valid_subset) == len(self.valid.pairs)
-        return valid if whole else await self._score(self.valid.pairs)
+        return self._step_statistics(scores, PairScores.merged)
 
     async def _score(self, pairs: list[Pair]) -> PairScores:
         c = self.config

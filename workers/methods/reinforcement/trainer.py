@@ -214,9 +214,7 @@ class Trainer(TrainingRun):
     def _update(self, sequences: list[TrainSequence]) -> UpdateStats:
         """One optimizer step over every sequence (blocking); with several training processes, each
         takes a share of about equal tokens and their gradients are summed."""
-        parts = shares(sequences, self.group.world_size, weight=lambda s: len(s.token_ids))
-        self.group.command("update_share", parts, len(sequences))
-        return self.update_share(parts, len(sequences))
+        return self._shared_update(sequences, lambda s: len(s.token_ids), len(sequences))
 
     def update_share(self, parts: list[list[TrainSequence]], n_sequences: int) -> UpdateStats:
         """This process's part of the step (every rank runs it); the step's statistics on rank 0."""
@@ -225,8 +223,7 @@ class Trainer(TrainingRun):
                               pad_token_id=self.pad_token_id, micro_batch_tokens=c.micro_batch_tokens,
                               max_grad_norm=c.max_grad_norm, reference=self._reference_logprobs,
                               n_sequences=n_sequences, sync_gradients=self.group.all_reduce_gradients)
-        gathered = self.group.gather(stats)
-        return UpdateStats.merged(gathered) if gathered and len(gathered) > 1 else stats
+        return self._step_statistics(stats, UpdateStats.merged)
 
     async def _rollouts(self, specs: list, group_size: int) -> list:
         """The rollouts of `specs` in order. With several training processes and the in-process

@@ -25,7 +25,7 @@ from workers.training.training_run import StepFailure, StepResult, TrainingHooks
 from workers.training.sequences import TrainSequence
 from workers.methods.supervised.data import BadExample, examples_from_rows
 from workers.methods.supervised.hyperparameters import SupervisedConfig
-from workers.training.distributed.group import TrainingGroup, shares
+from workers.training.distributed.group import TrainingGroup
 from workers.methods.supervised.loss import TokenScores, learned_tokens, score, supervised_update
 
 
@@ -79,8 +79,7 @@ class SupervisedTrainer(TrainingRun):
         batch = [self.train.sequences[row] for row in rows]
         trained = await asyncio.to_thread(self._update, batch)
         evaluated = self._evaluates_at(step)
-        valid = await self._score(self.valid_subset) if evaluated and self.valid_subset else None
-        full_valid = await self._full_valid(step, valid)
+        valid, full_valid = await self._validation(step, evaluated, self.valid_subset, self.valid.sequences)
         metrics = _step_metrics(step, self.total_steps, trained, valid, full_valid,
                                 learning_rate=self.optimizer.param_groups[0]["lr"],
                                 step_s=time.perf_counter() - started)
@@ -89,9 +88,7 @@ class SupervisedTrainer(TrainingRun):
     def _update(self, sequences: list[TrainSequence]) -> TokenScores:
         """One optimizer step over the rows (blocking); with several training processes each takes
         a share of about equal tokens and their gradients are summed."""
-        parts = shares(sequences, self.group.world_size, weight=lambda s: len(s.token_ids))
-        self.group.command("update_share", parts, learned_tokens(sequences))
-        return self.update_share(parts, learned_tokens(sequences))
+        return self._shared_update(sequences, lambda s: len(s.token_ids), learned_tokens(sequences))
 
     def update_share(self, parts: list[list[TrainSequence]], step_tokens: int) -> TokenScores:
         """This process's part of the step (every rank runs it); the step's scores on rank 0."""
@@ -99,15 +96,7 @@ class SupervisedTrainer(TrainingRun):
         scores = supervised_update(self.model, self.optimizer, parts[self.group.rank], pad_token_id=self.pad_token_id,
                                    micro_batch_tokens=c.micro_batch_tokens, max_grad_norm=c.max_grad_norm,
                                    step_tokens=step_tokens, sync_gradients=self.group.all_reduce_gradients)
-        gathered = self.group.gather(scores)
-        return TokenScores.merged(gathered) if gathered else scores
-
-    async def _full_valid(self, step: int, valid: TokenScores | None) -> TokenScores | None:
-        """Every validation row's scores at the last step: the subset's when that was all of them."""
-        if step != self.total_steps or not self.valid.sequences:
-            return None
-        whole = valid is not None and len(self.valid_subset) == len(self.valid.sequences)
-        return valid if whole else await self._score(self.valid.sequences)
+        return self._step_statistics(scores, TokenScores.merged)
 
     async def _score(self, sequences: list[TrainSequence]) -> TokenScores:
         return await asyncio.to_thread(score, self.model, sequences, pad_token_id=self.pad_token_id,
