@@ -481,6 +481,66 @@ def diagnose(config: Annotated[Path, typer.Option("--config", help="Job YAML, as
     raise typer.Exit(code=0 if diagnostic["status"] == "succeeded" else 1)
 
 
+evals_cli = typer.Typer(help="Evals and their runs on an agent-rft server (docs/evals.md).", no_args_is_help=True)
+cli.add_typer(evals_cli, name="evals")
+CsvOut = Annotated[Path | None, typer.Option("--csv", help="Also write the comparison as CSV here.")]
+PerItem = Annotated[bool, typer.Option("--per-item", help="The CSV has a row per item (deltas, quadrant).")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Also write the comparison as JSON here.")]
+
+
+def _write_comparison(result: dict[str, Any], csv_out: Path | None, per_item: bool, json_out: Path | None) -> None:
+    from app.evals.compare import comparison_csv
+
+    if csv_out is not None:
+        csv_out.write_text(comparison_csv(result, per_item=per_item))
+        typer.echo(f"wrote {csv_out}")
+    if json_out is not None:
+        import json
+
+        json_out.write_text(json.dumps(result, indent=2))
+        typer.echo(f"wrote {json_out}")
+
+
+@cli.command()
+def compare(job_id: Annotated[str, typer.Argument(help="A succeeded fine-tuning job.")],
+            file: Annotated[str | None, typer.Option("--file", help="Items: a file id or a local JSONL file (rows as "
+                                                                    "the job's); default its validation file.")] = None,
+            model: Annotated[list[str] | None, typer.Option("--model", help="Also run this model first (e.g. the base "
+                                                                            "under an ft: start); repeatable.")] = None,
+            criterion: Annotated[list[Path] | None, typer.Option(
+                "--criterion", help="A grader JSON file to grade by besides the job's grader; repeatable.")] = None,
+            samples: Annotated[int, typer.Option(min=1, max=16, help="Samples per item.")] = 1,
+            timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the runs.")] = 3600,
+            csv_out: CsvOut = None, per_item: PerItem = False, json_out: JsonOut = None,
+            base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Which checkpoint to ship: run what JOB started from, its kept checkpoints and its final model
+    over its validation file with its tools and grader, then print the comparison."""
+    from app.evals.client import compare_job, read_criteria, report
+
+    client = _client(base_url, api_key)
+    result = _client_call(lambda: compare_job(client, job_id, file=file, models=model or [],
+                                              criteria=read_criteria(criterion or []), samples=samples,
+                                              timeout_s=timeout, echo=typer.echo))
+    typer.echo("\n" + report(client, result))
+    _write_comparison(result, csv_out, per_item, json_out)
+
+
+@evals_cli.command("compare")
+def evals_compare(eval_id: str, run_ids: Annotated[list[str], typer.Argument(help="Two or more runs of the eval.")],
+                  baseline: Annotated[str | None, typer.Option(help="The run the deltas are against (default the "
+                                                                    "first).")] = None,
+                  csv_out: CsvOut = None, per_item: PerItem = False, json_out: JsonOut = None,
+                  base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
+    """Print two or more runs of an eval side by side: reward, pass rate, seconds, tokens and tool
+    calls per item, tool calls per tool, and the per-item quadrants against the baseline."""
+    from app.evals.client import comparison, report
+
+    client = _client(base_url, api_key)
+    result = _client_call(lambda: comparison(client, eval_id, run_ids, baseline))
+    typer.echo(report(client, result))
+    _write_comparison(result, csv_out, per_item, json_out)
+
+
 @diagnostics_cli.command("show")
 def diagnostics_show(diagnostic_id: str, base_url: BaseUrl = DEFAULT_BASE_URL, api_key: ApiKey = None) -> None:
     """Print a diagnostic's status, summary table and verdict."""

@@ -23,6 +23,9 @@ from app.core.rate_limit import KeyRateLimiter
 from app.diagnostics import pipeline as diagnostics_pipeline
 from app.diagnostics.router import router as diagnostics_router
 from app.diagnostics.watchdog import expire_diagnostic_leases
+from app.evals import pipeline as evals_pipeline
+from app.evals.router import router as evals_router
+from app.evals.worker_router import router as evals_worker_router
 from app.diagnostics.worker_router import router as diagnostics_worker_router
 from app.dashboard import install as install_dashboard
 from app.files.router import router as files_router
@@ -88,6 +91,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             target=diagnostics_pipeline.recover, args=(state.session_factory, state.storage, state.queue),
             name="recover-diagnostics", daemon=True,
         ).start()
+        threading.Thread(target=evals_pipeline.recover, args=(state.session_factory, state.queue),
+                         name="recover-eval-runs", daemon=True).start()
         factory, queue = state.session_factory, state.queue
 
         def grace(first: bool) -> float | None:  # workers could not heartbeat while this API was down
@@ -96,7 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         loops = [  # the runs whose worker went silent; due webhook deliveries
             PeriodicLoop("lease-watchdog", settings.watchdog_interval_s,
                          lambda first: expire_job_leases(factory, queue, restart_grace_s=grace(first)),
-                         lambda first: expire_diagnostic_leases(factory, queue, restart_grace_s=grace(first))),
+                         lambda first: expire_diagnostic_leases(factory, queue, restart_grace_s=grace(first)),
+                         lambda first: evals_pipeline.expire_run_leases(factory, queue, restart_grace_s=grace(first))),
             PeriodicLoop("webhook-sweeper", settings.webhook_sweep_interval_s, lambda first: sweep(
                 factory, queue.enqueue_webhook, redispatch_after_s=settings.webhook_redispatch_after_s, first=first)),
         ]
@@ -131,10 +137,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # No NUL in a path, query, form or JSON string; JSON at most 64 levels deep (docs/security.md).
     app.add_middleware(InputLimits)
     for router in (files_router, jobs_router, checkpoint_permissions_router, graders_router, diagnostics_router,
-                   webhooks_router, serving_router, responses_router, tool_run_router):
+                   evals_router, webhooks_router, serving_router, responses_router, tool_run_router):
         app.include_router(router)
     # /internal/v1: what workers call, with the worker token
-    for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, webhooks_worker_router):
+    for router in (files_worker_router, jobs_worker_router, diagnostics_worker_router, evals_worker_router,
+                   webhooks_worker_router):
         app.include_router(router)
     install_dashboard(app)
     app.include_router(metrics_router)  # GET /metrics for Prometheus (docs/observability.md)

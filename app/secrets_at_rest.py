@@ -1,6 +1,6 @@
 """`agent-rft secrets reencrypt` and `decrypt`: one pass over every stored secret (the tool and
-grader headers in jobs' and diagnostics' `method`, the webhook endpoints' signing secrets, the
-projects' W&B API keys).
+grader headers in jobs' and diagnostics' `method`, in evals' testing criteria and in eval runs'
+tool endpoints, the webhook endpoints' signing secrets, the projects' W&B API keys).
 
 reencrypt seals each under the newest key of AGENT_RFT_SECRET_KEYS, plain values stored before
 encryption included; a value already under the newest key is left as it is, so a second run
@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.crypto import SecretBox, is_sealed
 from app.jobs.tool_headers import reseal_headers, unseal_headers
-from app.models import Diagnostic, IntegrationSecret, Job, WebhookEndpoint  # every table: their foreign keys resolve
+from app.models import (  # every table: their foreign keys resolve
+    Diagnostic, Eval, EvalRun, IntegrationSecret, Job, WebhookEndpoint)
 
 BATCH = 200
 WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
@@ -28,7 +29,7 @@ WEBHOOK_SECRETS = ("signing_secret", "previous_signing_secret")
 class Rewritten:
     """How many stored values a pass rewrote."""
 
-    headers: int = 0  # values in a `method`: tools' and graders'
+    headers: int = 0  # values in a `method`, an eval's criteria or a run's tools: tools' and graders'
     webhook_secrets: int = 0
     integration_keys: int = 0  # projects' integration keys (W&B API keys)
 
@@ -67,10 +68,30 @@ def _pass(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, i
                 new, changed = method(row.method)
                 if changed:
                     row.method, done.headers = new, done.headers + changed
+    done.headers += _rewrite_eval_headers(factory, method)
     for endpoints in _locked_batches(factory, WebhookEndpoint):
         done.webhook_secrets += sum(_rewrite_secrets(ep, secret) for ep in endpoints)
     done.integration_keys = _rewrite_integration_keys(factory, secret)
     return done
+
+
+def _rewrite_eval_headers(factory: sessionmaker[Session], method: Callable[[dict], tuple[dict, int]]) -> int:
+    """Evals' criteria and runs' tool endpoints, each passed through `method` as a job's block would be."""
+    changed = 0
+    for rows in _locked_batches(factory, Eval):
+        for row in rows:
+            new = [method({"reinforcement": {"grader": criterion}}) for criterion in row.testing_criteria]
+            if any(count for _, count in new):
+                row.testing_criteria = [block["reinforcement"]["grader"] for block, _ in new]
+                changed += sum(count for _, count in new)
+    for rows in _locked_batches(factory, EvalRun):
+        for row in rows:
+            agent = row.data_source.get("x_open_model") or {}
+            block, count = method({"reinforcement": {"tools": agent.get("tools") or []}})
+            if count:
+                row.data_source = {**row.data_source, "x_open_model": {**agent, "tools": block["reinforcement"]["tools"]}}
+                changed += count
+    return changed
 
 
 def _rewrite_integration_keys(factory: sessionmaker[Session], rewrite: Callable[[str], str | None]) -> int:

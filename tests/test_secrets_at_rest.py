@@ -248,6 +248,37 @@ def test_keys_rotate_old_rows_read_under_both_keys_then_reencrypt_leaves_the_new
     assert "grader-secret" not in dump
 
 
+
+def test_an_evals_grader_and_its_runs_tool_headers_are_sealed_masked_open_for_the_worker_and_reencrypted(
+        settings, project):
+    key_a, key_b = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    with TestClient(create_app(with_keys(settings, key_a))) as client:
+        api = Api(client, project["key"])
+        created = api.post("/v1/evals", json={"data_source_config": {"type": "custom", "item_schema": {}},
+                                              "testing_criteria": [endpoint_grader(GRADER_SECRET)]})
+        assert created.status_code == 200, created.text
+        eval_id = created.json()["id"]
+        run = api.post(f"/v1/evals/{eval_id}/runs", json={"data_source": {
+            "type": "completions", "model": "tiny-smollm2", "source": {"type": "file_content", "content": [{"item": {}}]},
+            "input_messages": {"type": "template", "template": [{"role": "user", "content": "hi"}]},
+            "x_open_model": {"tools": job_body("file-x")["method"]["reinforcement"]["tools"]}}})
+        assert run.status_code == 200, run.text
+        answers = [created.text, run.text, api.get(f"/v1/evals/{eval_id}").text, api.get(f"/v1/evals/{eval_id}/runs").text]
+    assert not [a for a in answers if "grader-secret" in a or "tool-secret" in a]
+    assert "****6789" in answers[0] and "****3456" in answers[1]
+    dump = database_dump(settings.database_url)
+    assert "grader-secret" not in dump and "tool-secret" not in dump
+
+    done = reencrypt(settings, f"{key_b},{key_a}")
+    assert "Re-encrypted 2 header values (of tools and graders)" in done.stdout, (done.stdout, done.stderr)
+    with TestClient(create_app(with_keys(settings, key_b))) as client:  # key A is gone: everything is under B
+        claim = Worker(client, settings.worker_token.get_secret_value()).call(
+            "POST", f"/eval_runs/{run.json()['id']}/claim", {"worker_id": "gpu-1"})
+    assert claim.status_code == 200, claim.text
+    claimed = claim.json()["run"]
+    assert claimed["testing_criteria"][0]["headers"] == {"Authorization": GRADER_SECRET}
+    assert claimed["data_source"]["x_open_model"]["tools"][0]["headers"] == {"Authorization": TOOL_SECRET}
+
 def test_postgres_without_a_key_refuses_to_start_and_says_what_to_set(settings, monkeypatch, tmp_path):
     monkeypatch.delenv("AGENT_RFT_SECRET_KEYS", raising=False)
     keyless = Settings(_env_file=None, data_dir=tmp_path, database_url=settings.database_url)

@@ -12,6 +12,7 @@ from app.core.config import Settings, get_settings
 RUN_JOB_TASK = "agent_rft.run_job"
 DELIVER_WEBHOOK_TASK = "agent_rft.deliver_webhook"
 RUN_DIAGNOSTIC_TASK = "agent_rft.run_diagnostic"
+RUN_EVAL_TASK = "agent_rft.run_eval"
 
 
 def make_celery(settings: Settings | None = None) -> Celery:

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from agent_rft.retry import excerpt, retryable_status, retrying
 from app.core.worker_schemas import HeartbeatResponse
 from app.diagnostics.schemas import DiagnosticObject
+from app.evals.worker_schemas import OutputItemsResult, RunClaimResponse, RunFinishResult
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse, DiagnosticFinishResult, DiagnosticRolloutResult, JobDiagnostic
 from app.jobs.worker_schemas import CheckpointResult, ClaimResponse
 
@@ -190,6 +191,23 @@ class ControlPlaneClient:
         """The diagnostic as users see it, results included."""
         return self._answer(DiagnosticObject, "GET", f"/diagnostics/{diagnostic_id}")
 
+
+    # --- an eval run's life ----------------------------------------------------------------
+    def claim_eval_run(self, run_id: str, worker_id: str) -> RunClaimResponse:
+        return self._answer(RunClaimResponse, "POST", f"/eval_runs/{run_id}/claim", json={"worker_id": worker_id})
+
+    def eval_run_heartbeat(self, run_id: str, lease_id: str) -> str:
+        return self._answer(HeartbeatResponse, "POST", f"/eval_runs/{run_id}/heartbeat",
+                            json={"lease_id": lease_id}).action
+
+    def push_output_items(self, run_id: str, lease_id: str, items: list[dict[str, Any]], *,
+                          items_total: int | None = None) -> OutputItemsResult:
+        return self._answer(OutputItemsResult, "POST", f"/eval_runs/{run_id}/output_items",
+                            json={"lease_id": lease_id, "items": items, "items_total": items_total})
+
+    def finish_eval_run(self, run_id: str, lease_id: str, status: str, *, error: dict[str, Any] | None = None) -> str:
+        return self._answer(RunFinishResult, "POST", f"/eval_runs/{run_id}/finish",
+                            json={"lease_id": lease_id, "status": status, "error": error}).status
 
 def _log_retry(retry_state: RetryCallState) -> None:
     outcome = retry_state.outcome

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse
+from app.evals.worker_schemas import RunClaimResponse
 from app.jobs.worker_schemas import ClaimResponse
-from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_JOB_TASK, celery_app
+from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_EVAL_TASK, RUN_JOB_TASK, celery_app
 from workers.control_client import (
     ControlPlaneClient,
     ControlPlaneUnreachable,
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 # One line per internal-API call would drown the worker's log; failures are logged by the client.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 LEASE_RETRY_COUNTDOWN_S = 10
-Claimed = TypeVar("Claimed", ClaimResponse, DiagnosticClaimResponse)
+Claimed = TypeVar("Claimed", ClaimResponse, DiagnosticClaimResponse, RunClaimResponse)
 
 
 def _run_claimed(task: Any, kind: str, run_id: str, claim: Callable[[ControlPlaneClient], Claimed],
@@ -73,6 +74,17 @@ def run_diagnostic(self, diagnostic_id: str) -> dict[str, Any]:  # noqa: ANN001
     return _run_claimed(self, "diagnostic", diagnostic_id,
                         lambda client: client.claim_diagnostic(diagnostic_id, worker_id()), work)
 
+
+
+@celery_app.task(name=RUN_EVAL_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=360)
+def run_eval(self, run_id: str) -> dict[str, Any]:  # noqa: ANN001
+    """An eval run (docs/evals.md): a model over the eval's items, or given samples, graded, pushed."""
+    from workers.evals.run import EvalRunner
+
+    def work(client: ControlPlaneClient, claim: RunClaimResponse, settings: Any) -> dict[str, Any]:
+        return {"run_id": run_id, "status": asyncio.run(EvalRunner(client, claim, settings).run())}
+
+    return _run_claimed(self, "eval_run", run_id, lambda client: client.claim_eval_run(run_id, worker_id()), work)
 
 class JobRun:
     """One claimed job on this worker: heartbeat, data, starting weights, final report; the job's

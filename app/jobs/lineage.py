@@ -117,7 +117,13 @@ def start_point(session: Session, job: Job) -> StartPoint | None:
     """What `job` starts from when its model is a fine-tuned one; None for a base model (or a
     fine-tuned model deleted, or a checkpoint share revoked, since the job was created: the worker
     then fails to load it by name)."""
-    found = fine_tuned_source(session, job.project_id, job.model) if is_fine_tuned(job.model) else None
+    return start_point_of(session, job.project_id, job.model)
+
+
+def start_point_of(session: Session, project_id: str, model: str) -> StartPoint | None:
+    """The weights `model` stands for in `project_id` when it is a fine-tuned name (a job's start,
+    an eval run's model); None for a base model or one the project can no longer see."""
+    found = fine_tuned_source(session, project_id, model) if is_fine_tuned(model) else None
     if found is None:
         return None
     checkpoint, parent = found

@@ -85,6 +85,28 @@ def public_grader(grader: dict[str, Any]) -> dict[str, Any]:
     return _map_grader(grader, masked)
 
 
+def seal_grader(grader: dict[str, Any], box: SecretBox) -> dict[str, Any]:
+    """A checked grader outside a job (an eval's testing criterion): header values sealed."""
+    return _map_grader(grader, lambda value: _sealed(value, box))
+
+
+def open_grader(grader: dict[str, Any], box: SecretBox) -> dict[str, Any]:
+    return _map_grader(grader, lambda stored: _plaintext(stored, box))
+
+
+def seal_tools(tools: list[dict[str, Any]], box: SecretBox) -> list[dict[str, Any]]:
+    """Tool endpoints outside a job (an eval run's): header values sealed."""
+    return [_map_tool(tool, lambda value: _sealed(value, box)) for tool in tools]
+
+
+def open_tools(tools: list[dict[str, Any]], box: SecretBox) -> list[dict[str, Any]]:
+    return [_map_tool(tool, lambda stored: _plaintext(stored, box)) for tool in tools]
+
+
+def public_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [_map_tool(tool, masked) for tool in tools]
+
+
 def public_headers(method: dict[str, Any]) -> dict[str, Any]:
     return _map_headers(method, masked)
 

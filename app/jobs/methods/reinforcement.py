@@ -26,30 +26,41 @@ def row_rule(declared_tools: set[str]) -> RowRule:
     return lambda row: check_row(row, declared_tools)
 
 
-def stored_block(method: Method, settings: Settings) -> dict[str, Any]:
-    """The stored reinforcement block: tools and graders checked, their header values sealed."""
-    if method.reinforcement is None:
-        raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
-                       code="missing_required_parameter", param="method.reinforcement")
+def check_tools(tools: list[Any], settings: Settings, *, param: str) -> None:
+    """Tool endpoints (a job's, an eval run's): names once each, parameters a JSON schema, every
+    server_url allowed by the outbound guard; else 400 naming the field under `param`."""
     seen: set[str] = set()
-    for i, tool in enumerate(method.reinforcement.tools):
+    for i, tool in enumerate(tools):
         if tool.name in seen:
-            raise bad_request(f"Tool '{tool.name}' is declared twice.", param=f"method.reinforcement.tools[{i}].name",
+            raise bad_request(f"Tool '{tool.name}' is declared twice.", param=f"{param}[{i}].name",
                               code="duplicate_tool")
         seen.add(tool.name)
         if tool.parameters is not None:
             problem = parameters_schema_problem(tool.parameters)
             if problem:
-                raise bad_request(f"Tool '{tool.name}' parameters {problem}.",
-                                  param=f"method.reinforcement.tools[{i}].parameters", code="invalid_tool_schema")
+                raise bad_request(f"Tool '{tool.name}' parameters {problem}.", param=f"{param}[{i}].parameters",
+                                  code="invalid_tool_schema")
         try:
             guard_url(tool.server_url, settings.outbound_allowlist, strict_resolution=False)
         except BlockedURL as exc:
             raise bad_request(f"Tool '{tool.name}' server_url is not allowed: {exc}.",
-                              param=f"method.reinforcement.tools[{i}].server_url", code="url_not_allowed") from exc
-    check_grader_urls(method.reinforcement.grader, settings.outbound_allowlist, param="method.reinforcement.grader")
-    check_python_isolation(method.reinforcement.grader, required=settings.python_grader_required_isolation,
-                           cap=settings.python_grader_isolation_cap, param="method.reinforcement.grader")
+                              param=f"{param}[{i}].server_url", code="url_not_allowed") from exc
+
+
+def check_grader(grader: Any, settings: Settings, *, param: str) -> None:
+    """A grader's outbound URLs allowed, and its python code runnable under the required isolation."""
+    check_grader_urls(grader, settings.outbound_allowlist, param=param)
+    check_python_isolation(grader, required=settings.python_grader_required_isolation,
+                           cap=settings.python_grader_isolation_cap, param=param)
+
+
+def stored_block(method: Method, settings: Settings) -> dict[str, Any]:
+    """The stored reinforcement block: tools and graders checked, their header values sealed."""
+    if method.reinforcement is None:
+        raise APIError(400, "method.reinforcement is required when method.type is 'reinforcement'.",
+                       code="missing_required_parameter", param="method.reinforcement")
+    check_tools(method.reinforcement.tools, settings, param="method.reinforcement.tools")
+    check_grader(method.reinforcement.grader, settings, param="method.reinforcement.grader")
     stored = {"type": "reinforcement", "reinforcement": method.reinforcement.model_dump(mode="json")}
     return tool_headers.seal_headers(stored, secret_box(settings))
 
