@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from app.core.config import Settings
-from tests.conftest import jsonl, live_server, make_project
+from tests.conftest import job_body, jsonl, live_server, make_project, question_rows
 
 ITEM_SCHEMA = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
                "required": ["question", "answer"]}
@@ -148,3 +148,17 @@ def test_a_run_on_another_projects_model_file_or_eval_is_a_404(sdk, settings):
                 source={"type": "file_id", "id": file_id}))
         assert raised.value.body["param"] == "data_source.source.id"
     assert sdk.evals.retrieve(mine.id).id == mine.id  # untouched
+
+
+def test_an_eval_from_a_job_needs_a_succeeded_job_of_the_project(sdk, settings):
+    training = sdk.files.create(file=("train.jsonl", io.BytesIO(jsonl(question_rows()))), purpose="fine-tune").id
+    job = sdk.fine_tuning.jobs.create(**job_body(training))
+    with pytest.raises(openai.ConflictError) as raised:  # not succeeded: no final model to compare
+        sdk.post(f"/evals/x_from_job/{job.id}", cast_to=dict, body={})
+    assert raised.value.body["param"] == "job_id"
+    with pytest.raises(openai.NotFoundError):
+        sdk.post("/evals/x_from_job/ftjob-nope", cast_to=dict, body={})
+    other = make_project(settings)
+    with openai.OpenAI(base_url=f"{sdk.base}/v1", api_key=other["key"], max_retries=0) as outsider:
+        with pytest.raises(openai.NotFoundError):
+            outsider.post(f"/evals/x_from_job/{job.id}", cast_to=dict, body={})

@@ -5,7 +5,11 @@ tests/test_supervised_e2e.py."""
 
 from __future__ import annotations
 
+import csv
 import os
+import subprocess
+import sys
+from pathlib import Path
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,6 +25,7 @@ from tests.test_evals_api import ITEM_SCHEMA, STRING_CHECK, TEMPLATE
 from tests.test_training_e2e import celery_worker, training_settings  # noqa: F401 - the fixture
 
 FINAL = ("completed", "failed", "canceled")
+AGENT_RFT = str(Path(sys.executable).parent / "agent-rft")
 
 
 @contextmanager
@@ -81,6 +86,11 @@ def test_given_samples_and_a_model_run_are_graded_by_every_criterion_on_a_worker
         model_items = output_items(sdk, evaluation.id, model_run.id)
         comparison = sdk.get(f"/evals/{evaluation.id}/x_compare", cast_to=dict,
                              options={"params": {"run_ids": [jsonl_run.id, model_run.id]}})
+        csv_path = training_settings.data_dir / "comparison.csv"
+        printed = subprocess.run([AGENT_RFT, "evals", "compare", evaluation.id, jsonl_run.id, model_run.id,
+                                  "--csv", str(csv_path), "--per-item", "--base-url", f"{base}/v1"],
+                                 env={**os.environ, "AGENT_RFT_API_KEY": project["key"]}, capture_output=True,
+                                 text=True, timeout=60, check=False)
         # The worker is free again after the cancel: another run completes.
         again = finished(sdk, evaluation.id, sdk.evals.runs.create(evaluation.id, data_source={
             "type": "jsonl", "source": {"type": "file_content", "content": given[:1]}}).id)
@@ -117,6 +127,13 @@ def test_given_samples_and_a_model_run_are_graded_by_every_criterion_on_a_worker
     # The comparison reads both runs item by item.
     assert [r["id"] for r in comparison["runs"]] == [jsonl_run.id, model_run.id]
     assert comparison["runs"][0]["pass_rate"] == 0.5 and len(comparison["items"]) == 4
+    # ... and so does the command line, as a table and as CSV (a row per item).
+    assert printed.returncode == 0, printed.stderr
+    assert "given (baseline)" in printed.stdout and "tiny" in printed.stdout and "pass rate" in printed.stdout
+    assert f"/dashboard/evals/{evaluation.id}/compare?runs={jsonl_run.id},{model_run.id}" in printed.stdout
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [int(r["item_index"]) for r in rows] == [0, 1, 2, 3]
+    assert all(r[f"{model_run.id}:quadrant"] for r in rows)
 
 
 def test_a_run_whose_worker_is_killed_is_requeued_and_the_next_worker_grades_only_what_is_missing(
