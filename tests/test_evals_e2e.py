@@ -163,3 +163,37 @@ def test_a_run_whose_worker_is_killed_is_requeued_and_the_next_worker_grades_onl
     assert 0 < stored_before < 80
     assert sorted(i.datasource_item_id for i in stored) == list(range(80))  # each item graded once
     assert done.result_counts.total == 80
+
+
+def test_bad_items_are_errored_output_items_and_a_bad_file_line_fails_the_run_naming_it(
+        training_settings: Settings, project):  # noqa: ANN001, F811
+    good = {"question": "What is 1 + 1?", "answer": "2"}
+    with live_server(training_settings) as base, \
+            openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk, \
+            celery_worker(training_settings, base) as (_, log):
+        evaluation = sdk.evals.create(data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA},
+                                      testing_criteria=[STRING_CHECK])
+        # OpenAI's purpose for an eval's items; the second line is not JSON.
+        broken = sdk.files.create(file=("items.jsonl", b'{"item": {"question": "q", "answer": "a"}}\n{oops\n'),
+                                  purpose="evals")
+        bad_file = sdk.evals.runs.create(evaluation.id, data_source={
+            "type": "jsonl", "source": {"type": "file_id", "id": broken.id}})
+        # An item without its answer (the schema requires one), and one without the field the template names.
+        template = {"type": "template", "template": [{"role": "user", "content": "{{item.question}} {{item.hint}}"}]}
+        mixed = sdk.evals.runs.create(evaluation.id, data_source={
+            "type": "completions", "model": "tiny-smollm2", "input_messages": template,
+            "source": {"type": "file_content", "content": [
+                {"item": {**good, "hint": "add"}}, {"item": {"question": "no answer", "hint": "x"}}, {"item": good}]},
+            "sampling_params": {"max_completion_tokens": 8}})
+        failed = finished(sdk, evaluation.id, bad_file.id)
+        done = finished(sdk, evaluation.id, mixed.id)
+        stored = {i.datasource_item_id: i for i in output_items(sdk, evaluation.id, mixed.id)}
+    assert failed.status == "failed" and failed.error.code == "invalid_data_source", failed.error
+    assert "line 2 is not JSON" in failed.error.message
+    assert done.status == "completed", (done.error, log.read_text()[-3000:])
+    assert done.result_counts.total == 3 and done.result_counts.errored == 2
+    assert stored[0].status in ("pass", "fail") and stored[0].model_extra["x_trajectory"]
+    assert stored[1].status == "error" and "item_schema" in stored[1].sample.error.message
+    assert "answer" in stored[1].sample.error.message
+    assert stored[2].status == "error" and "hint" in stored[2].sample.error.message
+    assert all(r.score is None and not r.passed for r in stored[2].results)

@@ -29,11 +29,9 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import bad_request, not_found
 from app.evals.models import Eval, EvalOutputItem, EvalRun
+from app.evals.state import public_status
 
 MAX_RUNS = 10
-# A run's status as stored (the lifecycle's words) -> as shown (OpenAI's).
-PUBLIC_STATUS = {"queued": "queued", "running": "in_progress", "succeeded": "completed", "failed": "failed",
-                 "cancelled": "canceled"}
 SAME_REWARD = "same reward"
 QUADRANTS = ("improved reward & fewer tools", "improved reward & more tools", "worse reward & fewer tools",
              "worse reward & more tools", "improved reward & same tools", "worse reward & same tools", SAME_REWARD)
@@ -123,7 +121,7 @@ def _run_summary(run: dict[str, Any], samples: list[dict[str, Any]], tools: list
     n = len(samples)
     return {
         "id": run["id"], "name": run.get("name"), "model": run.get("model"),
-        "status": PUBLIC_STATUS.get(run.get("status"), run.get("status")),
+        "status": public_status(run["status"]),
         "items": len({s["item_index"] for s in samples}), "samples": n,
         "errored": sum(s["errored"] for s in samples),
         "mean_reward": _mean(s["reward"] for s in samples), "reward_std": _std(s["reward"] for s in samples),
@@ -230,7 +228,7 @@ def _check_request(ids: list[str], baseline_run_id: str | None) -> None:
         raise bad_request(f"Compare at most {MAX_RUNS} runs at once; {len(ids)} were given.", param="run_ids")
     if baseline_run_id is not None and baseline_run_id not in ids:
         raise bad_request(f"The baseline run '{baseline_run_id}' is not one of the compared runs.",
-                          param="baseline_run_id")
+                          param="baseline")
 
 
 def _load_runs(session: Session, project_id: str, eval_id: str, ids: list[str]) -> list[dict[str, Any]]:
@@ -265,7 +263,8 @@ def compare_runs(*, session: Session, project_id: str, eval_id: str, run_ids: li
                  baseline_run_id: str | None = None) -> dict[str, Any]:
     """`compare` over the stored rows of the project's eval `eval_id`. 404 for an eval or run not
     in the project; 400 for fewer than 2 distinct runs, more than MAX_RUNS, a run of another eval
-    or a baseline that is not one of the runs."""
+    or a baseline that is not one of the runs. Errors name the API's query parameters (`run_ids`,
+    `baseline`)."""
     found = session.scalar(select(Eval).where(Eval.id == eval_id, Eval.project_id == project_id))
     if found is None:
         raise not_found("eval", eval_id, param="eval_id")

@@ -85,7 +85,7 @@ def eval_from_job(*, session: Session, settings: Settings, project_id: str, job_
     if file_id is None:
         raise bad_request(f"Job '{job_id}' has no validation file: give file_id.", param="file_id",
                           code="missing_required_parameter")
-    jobs.check_file(session, project_id, file_id, "file_id")
+    jobs.check_file(session, project_id, file_id, "file_id", purposes=service.EVAL_FILE_PURPOSES)
     grader = method_block(job.method).get("grader")
     criteria = [grader] if grader else []  # stored as checked and sealed with the job
     extra = service.checked_criteria(body.testing_criteria, settings, taken=tuple(c["name"] for c in criteria))

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
@@ -43,6 +45,7 @@ S = RunStatus
 SAMPLE_SCHEMA = {"type": "object", "properties": {
     "model": {"type": "string"}, "choices": {"type": "array"}, "output_text": {"type": "string"},
     "output_tools": {"type": "array"}, "usage": {"type": "object"}}, "required": ["model", "choices"]}
+EVAL_FILE_PURPOSES = ("evals", "fine-tune")  # OpenAI's purpose for eval items; a job's files run as they are
 _DATA_SOURCE = TypeAdapter(DataSource)
 _GRADER = TypeAdapter(grader_schemas.Grader)
 # The grader types with a pass_threshold of their own; an eval's criterion of another type may carry one too.
@@ -74,6 +77,11 @@ def _checked_config(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(item_schema, dict):
         raise bad_request("data_source_config.item_schema must be a JSON schema object.",
                           param="data_source_config.item_schema")
+    try:
+        validator_for(item_schema).check_schema(item_schema)
+    except SchemaError as exc:
+        raise bad_request(f"data_source_config.item_schema is not a valid JSON schema: {exc.message}",
+                          param="data_source_config.item_schema") from None
     unknown = set(config) - {"type", "item_schema", "include_sample_schema"}
     if unknown:
         raise bad_request(f"Unknown field {sorted(unknown)[0]!r}.", param=f"data_source_config.{sorted(unknown)[0]}")
@@ -264,7 +272,7 @@ def create_run(*, session: Session, settings: Settings, project_id: str, eval_id
     evaluation = eval_row(session, project_id, eval_id)
     data = _checked_data_source(body.data_source)
     if data.source.type == "file_id":
-        jobs.check_file(session, project_id, data.source.id, "data_source.source.id")
+        jobs.check_file(session, project_id, data.source.id, "data_source.source.id", purposes=EVAL_FILE_PURPOSES)
     items = _check_source_rows(data.source, data)
     stored = data.model_dump(mode="json", exclude_none=True)
     model = ""

@@ -20,6 +20,7 @@ class ClaimedRun(BaseModel):
     start_from: StartFrom | None = Field(None, description="The weights an `ft:` model stands for.")
     data_source: dict[str, Any] = Field(description="As created, tool header values in plain text.")
     testing_criteria: list[dict[str, Any]] = Field(description="The eval's graders, header values in plain text.")
+    item_schema: dict[str, Any] = Field(default_factory=dict, description="The eval's JSON schema of an item.")
     done: list[tuple[int, int]] = Field(description="(item, sample) pairs already stored: a worker that takes over "
                                                     "skips them.")
 

@@ -51,6 +51,7 @@ def claim(*, session: Session, settings: Settings, run_id: str, worker_id: str) 
         run=ClaimedRun(id=run.id, eval_id=run.eval_id, project_id=run.project_id, model=run.model,
                        start_from=StartFrom(**vars(start)) if start is not None else None, data_source=data_source,
                        testing_criteria=[open_grader(c, box) for c in evaluation.testing_criteria],
+                       item_schema=evaluation.data_source_config.get("item_schema") or {},
                        done=_done(session, run.id)))
 
 

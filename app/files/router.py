@@ -21,7 +21,7 @@ async def create_file(
     session: SessionDep,
     settings: SettingsDep,
     file: Annotated[UploadFile, File(description="The JSONL file to upload.")],
-    purpose: Annotated[str, Form(description="Only 'fine-tune' is accepted.")],
+    purpose: Annotated[str, Form(description="'fine-tune' (training data) or 'evals' (an eval run's items).")],
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> FileObject:
     service.check_purpose(purpose)

@@ -18,7 +18,7 @@ from app.files.schemas import FileObject
 from app.files.storage import Storage, StoredBlob, TooLarge
 from app.idempotency import service as idempotency
 
-ACCEPTED_PURPOSES = ("fine-tune",)
+ACCEPTED_PURPOSES = ("fine-tune", "evals")  # training data; an eval run's items
 RESULTS_PURPOSE = "fine-tune-results"  # files this service writes (a job's results); never uploaded
 KNOWN_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 ENDPOINT = "POST /v1/files"
@@ -35,7 +35,7 @@ def check_purpose(purpose: str) -> None:
     if purpose not in ACCEPTED_PURPOSES:
         hint = "is not supported by this service" if purpose in KNOWN_PURPOSES else "is not a valid purpose"
         raise APIError(
-            400, f"'{purpose}' {hint}; upload training data with purpose 'fine-tune'.",
+            400, f"'{purpose}' {hint}; upload training data with purpose 'fine-tune' (an eval's items: 'evals').",
             code="invalid_value", param="purpose",
         )
 

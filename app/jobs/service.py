@@ -139,14 +139,15 @@ def _check_start(session: Session, project_id: str, model: str, method: dict[str
                           param=f"method.{method['type']}.x_open_model.training_mode")
 
 
-def check_file(session: Session, project_id: str, file_id: str, param: str) -> None:
-    """A file of this project, with purpose fine-tune, stored: else 400 naming `param`."""
+def check_file(session: Session, project_id: str, file_id: str, param: str,
+               purposes: tuple[str, ...] = ("fine-tune",)) -> None:
+    """A file of this project, with one of `purposes`, stored: else 400 naming `param`."""
     row = session.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.project_id == project_id))
     if row is None:
         raise bad_request(f"Invalid file id '{file_id}': no such file.", param=param, code="invalid_file")
-    if row.purpose != "fine-tune":
-        raise bad_request(f"File '{file_id}' has purpose '{row.purpose}'; it must be 'fine-tune'.", param=param,
-                          code="invalid_file_purpose")
+    if row.purpose not in purposes:
+        raise bad_request(f"File '{file_id}' has purpose '{row.purpose}'; it must be "
+                          f"{' or '.join(repr(p) for p in purposes)}.", param=param, code="invalid_file_purpose")
     if row.status != "processed":
         raise bad_request(f"File '{file_id}' is not ready (status '{row.status}').", param=param, code="file_not_ready")
 

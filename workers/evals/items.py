@@ -8,9 +8,13 @@ over re-runs a missing item exactly as the first worker would have."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from jsonschema.exceptions import best_match
+from jsonschema.validators import validator_for
 
 from agent_rft.graders.batch import BatchGrade, grade_many
 from agent_rft.graders.core import GraderContext, Sample
@@ -44,21 +48,54 @@ class Graded:
     error: str | None = None  # the item could not be turned into a model input
 
 
-def input_error(item: Item, sample_index: int, exc: Exception) -> Graded:
-    """An item whose input messages cannot be built from the data source (a missing field)."""
-    return Graded(item, sample_index, f"trace_{uuid.uuid4().hex}", Sample(), [], error=str(exc))
+def input_error(item: Item, sample_index: int, problem: str) -> Graded:
+    """An item that cannot be run: it does not fit the item schema, or its input messages cannot be
+    built from the data source (a field the template names is missing)."""
+    return Graded(item, sample_index, f"trace_{uuid.uuid4().hex}", Sample(), [], error=problem)
 
 
-def items_of(rows: list[Any]) -> list[Item]:
+class BadSource(ValueError):
+    """A data-source file line that is not a JSON object: the run fails, naming the line."""
+
+
+def rows_of(text: str) -> list[dict[str, Any]]:
+    """A JSONL file's rows; BadSource names the first line that is not a JSON object."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise BadSource(f"line {number} is not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise BadSource(f"line {number} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def items_of(rows: list[dict[str, Any]]) -> list[Item]:
     """A source's rows as items: `{"item": {...}, "sample": {...}}` as OpenAI writes them, or a
     row without `item` taken as the item itself (so a job's JSONL file runs as it is)."""
     items = []
     for index, row in enumerate(rows):
-        if isinstance(row, dict) and isinstance(row.get("item"), dict):
+        if isinstance(row.get("item"), dict):
             items.append(Item(index, row["item"], row.get("sample") if isinstance(row.get("sample"), dict) else None))
         else:
-            items.append(Item(index, row if isinstance(row, dict) else {"value": row}))
+            items.append(Item(index, row))
     return items
+
+
+def item_problem(item: Item, schema: dict[str, Any], *, needs_sample: bool) -> str | None:
+    """Why `item` cannot be run (it does not fit the eval's item schema; a jsonl row without its
+    sample), or None."""
+    error = best_match(validator_for(schema)(schema).iter_errors(item.item)) if schema else None
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
+        return f"the item does not match the eval's item_schema{f' at {where}' if where else ''}: {error.message}"
+    if needs_sample and item.sample is None:
+        return "a jsonl run grades given samples: this row has no 'sample'"
+    return None
 
 
 def _text(content: Any) -> str:

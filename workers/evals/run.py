@@ -35,6 +35,10 @@ class EvalRunner:
         except (ControlPlaneUnreachable, LeaseLost) as exc:
             log.warning("eval run %s given back (%s): it resumes once its lease expires", self.id, exc)
             return GIVEN_BACK
+        except evals.BadSource as exc:
+            status = "failed"
+            error = {"code": "invalid_data_source", "message": f"The data source's file: {exc}.",
+                     "param": "data_source.source.id"}
         except Exception as exc:  # noqa: BLE001 - a run ends with a reason, never a crashed worker
             log.exception("eval run %s failed", self.id)
             status = "failed"
@@ -54,23 +58,37 @@ class EvalRunner:
         from workers.models.loading import load_model
 
         items = evals.items_of(await asyncio.to_thread(self._rows))
-        samples = self.data_source.get("x_open_model", {}).get("samples_per_item", 1)
+        samples = self.data_source.get("x_open_model", {}).get("samples_per_item", 1) if self.spec.model else 1
         done = {tuple(pair) for pair in self.spec.done}
-        todo = [(item, k) for item in items for k in range(samples if self.spec.model else 1)
-                if (item.index, k) not in done]
+        todo = [(item, k) for item in items for k in range(samples) if (item.index, k) not in done]
         await asyncio.to_thread(self.client.push_output_items, self.id, self.lease_id, [],
-                                items_total=len(items) * (samples if self.spec.model else 1))
+                                items_total=len(items) * samples)
         graders = evals.criteria_graders(self.spec.testing_criteria)
+        todo = await self._set_aside_bad_items(todo, graders)
         ctx = GraderContext.from_settings(self.settings, load_judge_model=load_model)
         if not self.spec.model:
             return await self._grade_given(todo, graders, ctx)
         return await self._sample_and_grade(todo, graders, ctx)
 
-    def _rows(self) -> list[Any]:
+    def _rows(self) -> list[dict[str, Any]]:
         source = self.data_source["source"]
         if source["type"] == "file_content":
             return source["content"]
-        return self.client.file_rows(source["id"])
+        return evals.rows_of(self.client.file_content(source["id"]).decode("utf-8"))
+
+    async def _set_aside_bad_items(self, todo: list[tuple[evals.Item, int]],
+                                   graders: list[Any]) -> list[tuple[evals.Item, int]]:
+        """Store the items that cannot be run as errored output items; the rest go on."""
+        good, bad = [], []
+        for item, k in todo:
+            problem = evals.item_problem(item, self.spec.item_schema, needs_sample=not self.spec.model)
+            if problem is None:
+                good.append((item, k))
+            else:
+                bad.append(evals.input_error(item, k, problem))
+        if bad:
+            await self._push(bad, graders)
+        return good
 
     async def _grade_given(self, todo: list[tuple[evals.Item, int]], graders: list[Any], ctx: Any) -> str:
         for start in range(0, len(todo), CHUNK_ROLLOUTS):
@@ -100,15 +118,15 @@ class EvalRunner:
     async def _chunk(self, engine: Any, chunk: list[tuple[evals.Item, int]], graders: list[Any],
                      ctx: Any) -> list[evals.Graded]:
         """Rollouts of the chunk's items (an item whose input cannot be built is an errored output item)."""
-        from agent_rft.graders.core import Sample
+        from agent_rft.graders.core import GraderError, Sample
 
         specs, runnable, failed = [], [], []
         for item, k in chunk:
             try:
                 specs.append(evals.spec_for_item(self.data_source, item, k))
                 runnable.append((item, k))
-            except (ValueError, TypeError, KeyError) as exc:
-                failed.append(evals.input_error(item, k, exc))
+            except (GraderError, ValueError, TypeError, KeyError) as exc:  # a field the input names is missing
+                failed.append(evals.input_error(item, k, str(exc)))
         records = await engine.run(specs) if specs else []
         samples = [(item, k, record.trace_id, Sample.from_model_sample(record.grader_sample()), record)
                    for (item, k), record in zip(runnable, records)]
