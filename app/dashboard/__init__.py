@@ -1,5 +1,5 @@
-"""The web dashboard under /dashboard: jobs, charts over training steps, the rollout browser and
-the variance report, behind an API-key login (see docs/dashboard.md)."""
+"""The web dashboard under /dashboard: jobs, charts over training steps, the rollout browser, the
+variance report and the comparison of an eval's runs, behind an API-key login (see docs/dashboard.md)."""
 
 from __future__ import annotations
 

@@ -120,14 +120,14 @@ def list_jobs(*, session: Session, project_id: str, status: str | None, page: in
 
 # --- one job --------------------------------------------------------------------------------
 
-def _grader_summary(grader: dict[str, Any]) -> dict[str, Any]:
+def grader_summary(grader: dict[str, Any]) -> dict[str, Any]:
     """Name, type and the fields that say what it checks; sub-graders of a multi grader too."""
     shown = ("operation", "evaluation_metric", "input", "reference", "model", "url", "calculate_output",
              "pass_threshold", "tolerance")
     summary = {"name": grader.get("name"), "type": grader.get("type"),
                "fields": {k: grader[k] for k in shown if grader.get(k) not in (None, "", [])}}
     if isinstance(grader.get("graders"), dict):
-        summary["graders"] = [_grader_summary({**sub, "name": sub.get("name") or name})
+        summary["graders"] = [grader_summary({**sub, "name": sub.get("name") or name})
                               for name, sub in grader["graders"].items()]
     return summary
 
@@ -152,7 +152,7 @@ def job_header(*, session: Session, project_id: str, job_id: str) -> dict[str, A
         "trained_tokens": job.trained_tokens, "hyperparameters": block.get("hyperparameters") or {},
         "resolved": bool(job.resolved_hyperparameters), "max_episode_steps": block.get("max_episode_steps"),
         "x_open_model": block.get("x_open_model") or {}, "tools": block.get("tools") or [],
-        "grader": _grader_summary(block.get("grader") or {}), "actions": allowed_actions(job.status),
+        "grader": grader_summary(block.get("grader") or {}), "actions": allowed_actions(job.status),
         "diagnostic_id": getattr(job, "diagnostic_id", None),
     }
 

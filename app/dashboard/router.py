@@ -23,6 +23,7 @@ from app.auth.service import authenticate
 from app.core.deps import INT32_MAX, SessionDep
 from app.core.errors import APIError
 from app.dashboard import diagnostics as variance
+from app.dashboard import evals as eval_pages
 from app.dashboard import queries
 from app.dashboard.auth import (
     CSRF_FIELD,
@@ -38,6 +39,7 @@ from app.dashboard.auth import (
     write_visitor,
 )
 from app.dashboard.charts import chart_specs
+from app.evals.compare import QUADRANTS, compare_runs, comparison_csv
 from app.jobs import pipeline
 from app.jobs import service as jobs
 from app.jobs import step_metrics
@@ -135,7 +137,15 @@ def _not_found(request: Request, user: DashboardUser, what: str) -> HTMLResponse
 
 
 # The path parameter that names what a page is about, and its noun on the not-found page.
-SUBJECTS = {"job_id": "job", "diagnostic_id": "diagnostic"}
+SUBJECTS = {"job_id": "job", "diagnostic_id": "diagnostic", "eval_id": "eval"}
+
+
+def _missing(exc: APIError, params: dict[str, Any]) -> str:
+    """What the not-found page says is missing: the page's subject, or on an eval's pages the
+    eval or run the service named (a compared run comes from the query, not the path)."""
+    if "eval_id" in params and exc.message.startswith("No such "):  # app.core.errors.not_found's words
+        return exc.message.removeprefix("No such ").replace(": '", " ", 1).removesuffix("'")
+    return next((f"{noun} {params[key]}" for key, noun in SUBJECTS.items() if key in params), "page")
 
 
 def answer_service_error(request: Request, exc: APIError) -> Response | None:
@@ -149,10 +159,13 @@ def answer_service_error(request: Request, exc: APIError) -> Response | None:
         return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.status_code)
     params = request.path_params
     if exc.status_code == 404:
-        what = next((f"{noun} {params[key]}" for key, noun in SUBJECTS.items() if key in params), "page")
-        return _not_found(request, caller.user, what)
+        return _not_found(request, caller.user, _missing(exc, params))
     if request.method == "POST" and "job_id" in params:  # the job actions: the only forms a service refuses
         return _redirect(f"/dashboard/jobs/{params['job_id']}?notice=refused")
+    if request.method == "GET" and exc.status_code == 400:  # a page asked for something the service refuses
+        back = f"/dashboard/evals/{params['eval_id']}" if "eval_id" in params else "/dashboard/jobs"
+        return _page(request, "error.html", {"message": exc.message, "back": back}, user=caller.user,
+                     status_code=400)
     return None
 
 
@@ -404,3 +417,88 @@ def diagnostic_rollout_page(request: Request, diagnostic_id: str, trace_id: str,
     crumbs = [("Diagnostics", "/dashboard/diagnostics"), (diagnostic_id, base), ("Rollouts", f"{base}/rollouts")]
     return _page(request, "rollout.html", {"rollout": rollout, "crumbs": crumbs, "list_url": f"{base}/rollouts"},
                  user=user)
+
+
+# --- evals ----------------------------------------------------------------------------------
+
+@router.get("/evals", response_class=HTMLResponse)
+def evals_page(request: Request, user: PageUser, session: SessionDep, page: str | None = None) -> HTMLResponse:
+    number = _int(page, [], "page", minimum=1) or 1
+    listing = eval_pages.list_evals(session=session, project_id=user.project_id, page=number)
+    return _page(request, "evals.html", {"listing": listing}, user=user)
+
+
+@router.get("/evals/{eval_id}", response_class=HTMLResponse)
+def eval_page(request: Request, eval_id: str, user: PageUser, session: SessionDep) -> HTMLResponse:
+    data = eval_pages.view(session=session, project_id=user.project_id, eval_id=eval_id)
+    return _page(request, "eval.html", {"e": data}, user=user)
+
+
+RunsQuery = Annotated[list[str] | None, Query()]
+
+
+def _run_ids(runs: list[str] | None) -> list[str]:
+    """`runs=A&runs=B`, `runs=A,B` or both."""
+    return [part.strip() for value in runs or [] for part in value.split(",") if part.strip()]
+
+
+def _comparison(session: Any, user: DashboardUser, eval_id: str, runs: list[str] | None,
+                baseline: str | None) -> dict[str, Any]:
+    return compare_runs(session=session, project_id=user.project_id, eval_id=eval_id, run_ids=_run_ids(runs),
+                        baseline_run_id=baseline or None)
+
+
+def _trajectories(session: Any, comparison: dict[str, Any], pair: list[str], index: int | None,
+                  sample: int, errors: list[str]) -> dict[str, Any] | None:
+    """The chosen item's sample in the baseline and the other run, side by side."""
+    if index is None:
+        return None
+    item = next((i for i in comparison["items"] if i["item_index"] == index), None)
+    if item is None:
+        errors.append(f"None of these runs has item {index}.")
+        return None
+    runs = {r["id"]: r for r in comparison["runs"]}
+    panels = [eval_pages.trajectory(session=session, run=runs[rid], item_index=index, sample_index=sample,
+                                    criteria=comparison["criteria"]) for rid in pair]
+    return {"item": item, "sample": sample, "samples": eval_pages.samples_of(item, pair), "panels": panels}
+
+
+@router.get("/evals/{eval_id}/compare", response_class=HTMLResponse)
+def eval_compare_page(request: Request, eval_id: str, user: PageUser, session: SessionDep, runs: RunsQuery = None,
+                      baseline: str | None = None, vs: str | None = None, item: str | None = None,
+                      sample: str | None = None) -> HTMLResponse:
+    comparison = _comparison(session, user, eval_id, runs, baseline)
+    baseline = comparison["baseline_run_id"]
+    ids = [r["id"] for r in comparison["runs"]]
+    others = [rid for rid in ids if rid != baseline]
+    vs = vs if vs in others else others[0]
+    errors: list[str] = []
+    index, number = _int(item, errors, "item"), _int(sample, errors, "sample") or 0
+    detail = _trajectories(session, comparison, [baseline, vs], index, number, errors)
+    query = urlencode({"runs": ",".join(ids), "baseline": baseline})
+    item_url = f"/dashboard/evals/{eval_id}/compare?{query}&{urlencode({'vs': vs})}&item="
+    config = {"dataUrl": f"/dashboard/evals/{eval_id}/compare/data?{query}", "baseline": baseline, "vs": vs,
+              "itemUrl": item_url, "quadrants": QUADRANTS, "colours": eval_pages.QUADRANT_COLOURS}
+    return _page(request, "eval_compare.html", {
+        "e": eval_pages.view(session=session, project_id=user.project_id, eval_id=eval_id), "c": comparison,
+        "runs": {r["id"]: r for r in comparison["runs"]}, "others": others, "vs": vs, "query": query,
+        "item_url": item_url, "index": index,
+        "errors": errors, "detail": detail,
+        "config": config, "quadrants": QUADRANTS, "colours": eval_pages.QUADRANT_COLOURS,
+    }, user=user)
+
+
+@router.get("/evals/{eval_id}/compare/data")
+def eval_compare_data(eval_id: str, user: DataUser, session: SessionDep, runs: RunsQuery = None,
+                      baseline: str | None = None) -> JSONResponse:
+    """The comparison (app/evals/compare.py::compare_runs) the compare page's charts draw."""
+    return JSONResponse(_comparison(session, user, eval_id, runs, baseline), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/evals/{eval_id}/compare.csv")
+def eval_compare_csv(eval_id: str, user: DataUser, session: SessionDep, runs: RunsQuery = None,
+                     baseline: str | None = None, per_item: bool = False) -> Response:
+    """The comparison as CSV: one row per run, or per item with `per_item=true`."""
+    text = comparison_csv(_comparison(session, user, eval_id, runs, baseline), per_item=per_item)
+    name = f"{eval_id}-compare{'-items' if per_item else ''}.csv"
+    return Response(text, media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{name}"'})
