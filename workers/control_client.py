@@ -12,6 +12,7 @@ the diagnostic it runs before training.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -35,6 +36,9 @@ from app.diagnostics.worker_schemas import DiagnosticClaimResponse, DiagnosticFi
 from app.jobs.worker_schemas import CheckpointResult, ClaimResponse
 
 log = logging.getLogger(__name__)
+# A run this worker stopped without reporting an end: the control plane could not be reached (or
+# took the run away); its lease expires and the watchdog re-queues it.
+GIVEN_BACK = "given_back"
 
 
 def worker_id() -> str:
@@ -249,3 +253,39 @@ class Heartbeat(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def worker_failure(exc: Exception) -> dict[str, Any]:
+    """The error a run reports for an exception nothing named: its type and message."""
+    return {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
+
+
+async def run_under_lease(name: str, heartbeat: Heartbeat, work: Callable[[], Awaitable[str]],
+                          finish: Callable[[str, dict[str, Any] | None], Any],
+                          failure: Callable[[Exception], dict[str, Any] | None] = lambda exc: None) -> str:
+    """What a leased run (a diagnostic, an eval run) does around its `work`: heartbeat while it
+    runs; then report its end with `finish(status, error)`. The status is the work's, or
+    `failed` with `failure(exc)` (else the exception's type and message, logged) when it raised.
+    Returns it, or `lost` (another worker has the run) or `given_back` (the control plane could
+    not be reached: no end is reported). Never raises."""
+    heartbeat.start()
+    error = None
+    try:
+        status = await work()
+    except (ControlPlaneUnreachable, LeaseLost) as exc:
+        log.warning("%s given back (%s): it resumes once its lease expires", name, exc)
+        return GIVEN_BACK
+    except Exception as exc:  # noqa: BLE001 - a run ends with a reason, never a crashed worker
+        status, error = "failed", failure(exc)
+        if error is None:
+            log.exception("%s failed", name)
+            error = worker_failure(exc)
+    finally:
+        heartbeat.stop()
+    if heartbeat.action == "lost":
+        return "lost"
+    try:
+        await asyncio.to_thread(finish, status, error)
+    except Exception:  # noqa: BLE001 - the watchdog re-queues a run whose worker cannot report
+        log.exception("could not report the end of %s", name)
+    return status

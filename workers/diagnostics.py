@@ -14,12 +14,10 @@ import time
 from typing import Any
 
 from app.diagnostics.worker_schemas import DiagnosticClaimResponse
-from workers.control_client import ControlPlaneClient, ControlPlaneUnreachable, Heartbeat, LeaseHeld, LeaseLost
+from workers.control_client import (
+    ControlPlaneClient, ControlPlaneUnreachable, Heartbeat, LeaseHeld, run_under_lease)
 
 log = logging.getLogger(__name__)
-# A run this worker stopped without reporting an end: the control plane could not be reached (or
-# took the run away); its lease expires and the watchdog re-queues it.
-GIVEN_BACK = "given_back"
 
 
 class DiagnosticRun:
@@ -37,26 +35,9 @@ class DiagnosticRun:
     async def run(self, *, loaded: Any = None, rows: list[dict[str, Any]] | None = None) -> str:
         """succeeded, failed, cancelled, lost (another worker has it now) or given_back (the control
         plane could not be reached: no end is reported). Never raises."""
-        self.heartbeat.start()
-        error = None
-        try:
-            status = await self._run(loaded, rows)
-        except (ControlPlaneUnreachable, LeaseLost) as exc:
-            log.warning("diagnostic %s given back (%s): it resumes once its lease expires", self.id, exc)
-            return GIVEN_BACK
-        except Exception as exc:  # noqa: BLE001 - a diagnostic ends with a reason, never a crashed worker
-            log.exception("diagnostic %s failed", self.id)
-            status = "failed"
-            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
-        finally:
-            self.heartbeat.stop()
-        if self.heartbeat.action == "lost":
-            return "lost"
-        try:
-            await asyncio.to_thread(self.client.finish_diagnostic, self.id, self.lease_id, status, error=error)
-        except Exception:  # noqa: BLE001 - the watchdog re-queues a diagnostic whose worker cannot report
-            log.exception("could not report the end of diagnostic %s", self.id)
-        return status
+        return await run_under_lease(
+            f"diagnostic {self.id}", self.heartbeat, lambda: self._run(loaded, rows),
+            lambda status, error: self.client.finish_diagnostic(self.id, self.lease_id, status, error=error))
 
     async def _run(self, loaded: Any, rows: list[dict[str, Any]] | None) -> str:
         from agent_rft.graders.core import GraderContext

@@ -16,15 +16,17 @@ from app.evals.worker_schemas import RunClaimResponse
 from app.jobs.worker_schemas import ClaimResponse
 from workers.celery_app import RUN_DIAGNOSTIC_TASK, RUN_EVAL_TASK, RUN_JOB_TASK, celery_app
 from workers.control_client import (
+    GIVEN_BACK,
     ControlPlaneClient,
     ControlPlaneUnreachable,
     Heartbeat,
     LeaseHeld,
     LeaseLost,
     NotClaimable,
+    worker_failure,
     worker_id,
 )
-from workers.diagnostics import GIVEN_BACK, DiagnosticRun
+from workers.diagnostics import DiagnosticRun
 from workers.metrics import record_step  # also starts the metrics server with the worker
 from workers.integrations.wandb_run import wandb_run
 
@@ -112,7 +114,7 @@ class JobRun:
             return self._give_back(exc)
         except Exception as exc:  # noqa: BLE001 - anything that escapes the trainer fails the job, with the reason
             log.exception("job %s failed", self.job_id)
-            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
+            error = worker_failure(exc)
             self._finish("failed", error=error)
             return {"job_id": self.job_id, "status": "failed"}
         finally:

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, Generic, TypeVar
 
 from sqlalchemy import DateTime, String, or_, select
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from app.core.bearer import same_secret
 from app.core.db import utcnow
@@ -221,6 +221,22 @@ def _extend_running_leases(session: Session, model: type[Run], *, until: datetim
     for row in session.scalars(select(model).where(running).with_for_update(skip_locked=True)):
         row.lease_expires_at = until
 
+
+
+def hand_to_broker(factory: sessionmaker[Session], model: type[Run], run_id: str, send: Callable[[str], Any]) -> bool:
+    """Publish a queued run's task (`send(run_id)`) after its status is committed, and record it.
+    On a broker failure the run stays queued without `enqueued_at`: start-up, or the watchdog's
+    next re-queue, sends it again. Never raises into a request."""
+    try:
+        send(run_id)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("could not enqueue %s: %s", run_id, exc)
+        return False
+    with factory.begin() as session:
+        row = session.scalar(select(model).where(model.id == run_id))
+        if row is not None and row.status == QUEUED:
+            row.enqueued_at = utcnow()
+    return True
 
 class PeriodicLoop(threading.Thread):
     """Runs each of `rounds` (called with `first`, True the first time) at start and then every

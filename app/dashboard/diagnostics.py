@@ -3,15 +3,14 @@ docs/diagnostics.md) and their rollouts, scoped to the viewer's project."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.core.db import unix
 from agent_rft.tracing import w3c_trace_id
-from app.dashboard.queries import transcript
+from app.dashboard.queries import numbered_page, transcript
 from app.diagnostics import service as diagnostics
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.diagnostics.state import ACTIVE, DiagnosticStatus
@@ -26,9 +25,7 @@ SIGNAL_LABELS = {"mixed": "mixed (signal)", "always_0": "always 0", "always_1": 
 
 def list_diagnostics(*, session: Session, project_id: str, page: int) -> dict[str, Any]:
     where = Diagnostic.project_id == project_id
-    total = session.scalar(select(func.count()).select_from(Diagnostic).where(where)) or 0
-    pages = max(1, math.ceil(total / PER_PAGE))
-    page = min(max(page, 1), pages)
+    total, page, pages = numbered_page(session, Diagnostic, [where], page, PER_PAGE)
     rows = session.scalars(select(Diagnostic).where(where).order_by(Diagnostic.seq.desc())
                            .offset((page - 1) * PER_PAGE).limit(PER_PAGE))
     items = []

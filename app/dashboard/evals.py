@@ -3,17 +3,16 @@ the trajectories of one item in the runs being compared (app/evals/compare.py co
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.db import unix
-from app.core.errors import not_found
-from app.dashboard.queries import grader_summary, transcript
+from app.dashboard.queries import grader_summary, numbered_page, transcript
 from app.evals.compare import criterion_names, measures
 from app.evals.models import Eval, EvalOutputItem, EvalRun
+from app.evals.service import eval_row
 from app.evals.state import public_status
 
 PER_PAGE = 25
@@ -27,22 +26,13 @@ QUADRANT_COLOURS = {
 
 def list_evals(*, session: Session, project_id: str, page: int) -> dict[str, Any]:
     where = Eval.project_id == project_id
-    total = session.scalar(select(func.count()).select_from(Eval).where(where)) or 0
-    pages = max(1, math.ceil(total / PER_PAGE))
-    page = min(max(page, 1), pages)
+    total, page, pages = numbered_page(session, Eval, [where], page, PER_PAGE)
     runs = (select(func.count()).select_from(EvalRun).where(EvalRun.eval_id == Eval.id)
             .correlate(Eval).scalar_subquery())
     rows = session.execute(select(Eval.id, Eval.name, Eval.created_at, runs).where(where)
                            .order_by(Eval.seq.desc()).offset((page - 1) * PER_PAGE).limit(PER_PAGE))
     items = [{"id": r[0], "name": r[1], "created_at": unix(r[2]), "runs": r[3]} for r in rows]
     return {"evals": items, "total": total, "page": page, "pages": pages}
-
-
-def _get(session: Session, project_id: str, eval_id: str) -> Eval:
-    found = session.scalar(select(Eval).where(Eval.id == eval_id, Eval.project_id == project_id))
-    if found is None:
-        raise not_found("eval", eval_id, param="eval_id")
-    return found
 
 
 def _counts(session: Session, run_ids: list[str]) -> dict[str, dict[str, int]]:
@@ -58,7 +48,7 @@ def _counts(session: Session, run_ids: list[str]) -> dict[str, dict[str, int]]:
 def view(*, session: Session, project_id: str, eval_id: str) -> dict[str, Any]:
     """The eval, its criteria (name, type, what they check; never header values) and its runs,
     oldest first (a base model's run usually comes before its checkpoints')."""
-    found = _get(session, project_id, eval_id)
+    found = eval_row(session, project_id, eval_id)
     runs = list(session.scalars(select(EvalRun).where(EvalRun.eval_id == eval_id, EvalRun.project_id == project_id)
                                 .order_by(EvalRun.seq)))
     counts = _counts(session, [r.id for r in runs])

@@ -102,13 +102,19 @@ def _job_row(job: Job, progress: tuple[int, int | None] | None, rewards: dict[tu
     }
 
 
+def numbered_page(session: Session, model: Any, where: list[Any], page: int, per_page: int) -> tuple[int, int, int]:
+    """A list page by number: (rows in all, the page clamped to those there are, pages); page p
+    shows the rows from (p - 1) * per_page, newest first."""
+    total = session.scalar(select(func.count()).select_from(model).where(*where)) or 0
+    pages = max(1, math.ceil(total / per_page))
+    return total, min(max(page, 1), pages), pages
+
+
 def list_jobs(*, session: Session, project_id: str, status: str | None, page: int) -> dict[str, Any]:
     where = [Job.project_id == project_id]
     if status:
         where.append(Job.status == status)
-    total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0
-    pages = max(1, math.ceil(total / JOBS_PER_PAGE))
-    page = min(max(page, 1), pages)
+    total, page, pages = numbered_page(session, Job, where, page, JOBS_PER_PAGE)
     rows = list(session.scalars(select(Job).where(*where).order_by(Job.seq.desc())
                                 .offset((page - 1) * JOBS_PER_PAGE).limit(JOBS_PER_PAGE)))
     ids = [job.id for job in rows]

@@ -9,7 +9,7 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.core.db import utcnow
+from app.core.lifecycle import hand_to_broker
 from app.core.queue import JobQueue
 from app.diagnostics.models import Diagnostic
 from app.diagnostics.state import DiagnosticStatus, transition
@@ -44,18 +44,7 @@ def run_validation(factory: sessionmaker[Session], storage: Storage, queue: JobQ
 
 
 def send_to_workers(factory: sessionmaker[Session], queue: JobQueue, diagnostic_id: str) -> bool:
-    """Publish the task after the status is committed; on a broker failure the diagnostic stays
-    queued without `enqueued_at` and start-up (or the watchdog) sends it again."""
-    try:
-        queue.enqueue_diagnostic(diagnostic_id)
-    except Exception as exc:  # noqa: BLE001 - never raised into a request
-        log.warning("could not enqueue %s: %s", diagnostic_id, exc)
-        return False
-    with factory.begin() as session:
-        diagnostic = session.scalar(select(Diagnostic).where(Diagnostic.id == diagnostic_id))
-        if diagnostic is not None and diagnostic.status == S.QUEUED.value:
-            diagnostic.enqueued_at = utcnow()
-    return True
+    return hand_to_broker(factory, Diagnostic, diagnostic_id, queue.enqueue_diagnostic)
 
 
 def recover(factory: sessionmaker[Session], storage: Storage, queue: JobQueue) -> None:

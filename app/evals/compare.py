@@ -28,7 +28,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.core.errors import bad_request, not_found
-from app.evals.models import Eval, EvalOutputItem, EvalRun
+from app.evals.models import EvalOutputItem, EvalRun
+from app.evals.service import eval_row
 from app.evals.state import public_status
 
 MAX_RUNS = 10
@@ -265,9 +266,7 @@ def compare_runs(*, session: Session, project_id: str, eval_id: str, run_ids: li
     in the project; 400 for fewer than 2 distinct runs, more than MAX_RUNS, a run of another eval
     or a baseline that is not one of the runs. Errors name the API's query parameters (`run_ids`,
     `baseline`)."""
-    found = session.scalar(select(Eval).where(Eval.id == eval_id, Eval.project_id == project_id))
-    if found is None:
-        raise not_found("eval", eval_id, param="eval_id")
+    found = eval_row(session, project_id, eval_id)
     ids = _run_ids(run_ids)
     _check_request(ids, baseline_run_id)
     runs = _load_runs(session, project_id, eval_id, ids)

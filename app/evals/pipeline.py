@@ -4,35 +4,22 @@ worker stops heartbeating; the next worker carries on from the output items alre
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.db import utcnow
-from app.core.lifecycle import expire_leases
+from app.core.lifecycle import expire_leases, hand_to_broker
 from app.core.queue import JobQueue
 from app.evals.models import EvalRun
 from app.evals.state import RunStatus, transition
 
-log = logging.getLogger(__name__)
 S = RunStatus
 
 
 def send_to_workers(factory: sessionmaker[Session], queue: JobQueue, run_id: str) -> bool:
-    """Publish the task after the run is committed; on a broker failure it stays queued without
-    `enqueued_at`, and start-up (or the watchdog's next re-queue) sends it again."""
-    try:
-        queue.enqueue_eval_run(run_id)
-    except Exception as exc:  # noqa: BLE001 - never raised into a request
-        log.warning("could not enqueue %s: %s", run_id, exc)
-        return False
-    with factory.begin() as session:
-        run = session.scalar(select(EvalRun).where(EvalRun.id == run_id))
-        if run is not None and run.status == S.QUEUED.value:
-            run.enqueued_at = utcnow()
-    return True
+    return hand_to_broker(factory, EvalRun, run_id, queue.enqueue_eval_run)
 
 
 def recover(factory: sessionmaker[Session], queue: JobQueue) -> None:

@@ -9,11 +9,10 @@ import logging
 from typing import Any
 
 from app.evals.worker_schemas import RunClaimResponse
-from workers.control_client import ControlPlaneClient, ControlPlaneUnreachable, Heartbeat, LeaseLost
+from workers.control_client import ControlPlaneClient, ControlPlaneUnreachable, Heartbeat, LeaseLost, run_under_lease
 from workers.evals import items as evals
 
 log = logging.getLogger(__name__)
-GIVEN_BACK = "given_back"  # stopped without reporting an end: the watchdog re-queues it once its lease expires
 CHUNK_ROLLOUTS = 32  # rollouts per engine run: generation is batched across them; progress after each
 
 
@@ -28,30 +27,17 @@ class EvalRunner:
 
     async def run(self) -> str:
         """succeeded, failed, cancelled, lost or given_back; never raises."""
-        self.heartbeat.start()
-        error = None
-        try:
-            status = await self._run()
-        except (ControlPlaneUnreachable, LeaseLost) as exc:
-            log.warning("eval run %s given back (%s): it resumes once its lease expires", self.id, exc)
-            return GIVEN_BACK
-        except evals.BadSource as exc:
-            status = "failed"
-            error = {"code": "invalid_data_source", "message": f"The data source's file: {exc}.",
-                     "param": "data_source.source.id"}
-        except Exception as exc:  # noqa: BLE001 - a run ends with a reason, never a crashed worker
-            log.exception("eval run %s failed", self.id)
-            status = "failed"
-            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000], "param": None}
-        finally:
-            self.heartbeat.stop()
-        if self.heartbeat.action == "lost":
-            return "lost"
-        try:
-            await asyncio.to_thread(self.client.finish_eval_run, self.id, self.lease_id, status, error=error)
-        except Exception:  # noqa: BLE001 - the watchdog re-queues a run whose worker cannot report
-            log.exception("could not report the end of eval run %s", self.id)
-        return status
+        return await run_under_lease(
+            f"eval run {self.id}", self.heartbeat, self._run,
+            lambda status, error: self.client.finish_eval_run(self.id, self.lease_id, status, error=error),
+            failure=self._bad_source)
+
+    @staticmethod
+    def _bad_source(exc: Exception) -> dict[str, Any] | None:
+        if not isinstance(exc, evals.BadSource):
+            return None
+        return {"code": "invalid_data_source", "message": f"The data source's file: {exc}.",
+                "param": "data_source.source.id"}
 
     async def _run(self) -> str:
         from agent_rft.graders.core import GraderContext

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workers.control_client import NotClaimable, worker_id
-from workers.diagnostics import GIVEN_BACK, DiagnosticRun, claim_with_patience
+from workers.control_client import GIVEN_BACK
+from workers.diagnostics import DiagnosticRun, claim_with_patience
 if TYPE_CHECKING:
     from workers.tasks import ControlHooks, JobRun
 
