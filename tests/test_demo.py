@@ -1,9 +1,9 @@
 """`agent-rft demo --quick`, as a user runs it: a subprocess that starts the API, a worker, the
 inference server, the example tool and grader servers, writes browsing traces, trains a tiny
 starting agent with a supervised job and continues it with a reinforcement job from its `ft:`
-model, evaluates the base model, the starting agent and the trained agent, calls the trained
-model through /v1/chat/completions and stops every process it started; and Ctrl-C in the middle
-stops everything."""
+model, calls the trained model through /v1/chat/completions, ends with `agent-rft compare` (eval
+runs of the base model, the starting agent and the trained agent on the worker) and stops every
+process it started; and Ctrl-C in the middle stops everything."""
 
 from __future__ import annotations
 
@@ -57,12 +57,10 @@ def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for line in ("browsing traces", "supervised job", "train loss", "reinforcement job", "train reward",
-                 "correct answers", "tool calls per rollout",
-                 "tokens per rollout", "seconds per rollout", "answered within budget", "/dashboard/jobs/",
+                 "mean reward ± std", "pass rate: correct", "tool calls per item", "tokens per item",
+                 "seconds per item", "improved reward & fewer tools", "/dashboard/jobs/", "/dashboard/evals/",
                  "client.chat.completions.create(", "agent-rft inference", "demo succeeded"):
         assert line in result.stdout, output[-4000:]
-    table_header = next(line for line in result.stdout.splitlines() if line.startswith("held-out, per rollout"))
-    assert table_header.split()[-4:] == ["base", "starting", "after", "RFT"]
 
     report = json.loads((workdir / "demo-report.json").read_text())
     assert report["outcome"] == "succeeded" and report["failed_stage"] is None
@@ -72,13 +70,17 @@ def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
     assert starting["status"] == "succeeded" and starting["fine_tuned_model"].startswith("ft:tiny-smollm2")
     assert rft["status"] == "succeeded" and rft["model"] == starting["fine_tuned_model"]
     assert rft["fine_tuned_model"].startswith("ft:tiny-smollm2") and rft["fine_tuned_model"] != starting["fine_tuned_model"]
-    for stage in ("base", "starting_agent", "after_rft"):
-        evaluation = report["evaluations"][stage]
-        assert evaluation["summary"]["rollouts"] == report["data"]["held_out_rows"]
-        assert 0 <= evaluation["accuracy"]["pass_rate"] <= 1
+    # The comparison: an eval run per model, each over every held-out question, in the table's order.
+    comparison = report["comparison"]
+    runs = comparison["runs"]
+    assert [r["model"] for r in runs] == ["tiny-smollm2", starting["fine_tuned_model"], rft["fine_tuned_model"]]
+    assert all(r["status"] == "completed" and r["items"] == report["data"]["held_out_rows"] for r in runs), runs
+    assert comparison["criteria"] == ["correct and efficient", "correct"]
+    assert all(0 <= r["pass_rate_by_criterion"]["correct"] <= 1 for r in runs)
+    table = result.stdout[result.stdout.index("mean reward ± std"):]
+    assert f"{runs[-1]['mean_reward']:.3f}" in table.splitlines()[0]  # the table is the eval runs' figures
     assert oct((workdir / "api-key").stat().st_mode & 0o777) == "0o600"
     assert (workdir / "api-key").read_text().startswith("sk-")
-    assert report["evaluations"]["after_rft"]["model"] == report["checkpoint"]
     assert (Path(report["checkpoint"]) / "adapter_config.json").is_file()
     # The trained model answered through /v1/chat/completions (API + the demo's inference server).
     serving = report["serving"]
@@ -87,7 +89,7 @@ def test_quick_demo_runs_both_jobs_and_compares_the_stages(tmp_path):
     assert "inference" in json.loads((workdir / "pids.json").read_text())
     assert report["wall_time_s"] < 300
     assert leftover_processes(workdir) == []
-    # Precision: bfloat16 where this CPU computes it natively, for both jobs and every evaluation.
+    # Precision: bfloat16 where this CPU computes it natively, for both jobs (and the eval runs, which take the job's).
     assert report["dtype"] == ("bfloat16" if native_bf16_cpu() else "float32")
     assert f"in {report['dtype']}" in result.stdout.splitlines()[0]
     with sqlite3.connect(workdir / "agent_rft.sqlite3") as db:

@@ -216,7 +216,7 @@ def test_format_comparison_is_a_table_with_one_column_per_run():
     assert row["seconds per item ± std"].split()[-6:] == ["3.00", "±", "1.00", "1.00", "±", "0.00"]
     assert row["tool calls per item ± std"].split()[-6:] == ["1.50", "±", "0.50", "1.50", "±", "0.50"]
     assert row["search"].split()[-2:] == ["1.50", "0.50"] and row["cat"].split()[-2:] == ["0.00", "1.00"]
-    assert "items vs base" in text
+    assert "items against name-base" in text
     assert row["improved reward & fewer tools"].split()[-1] == "1"
     assert row["same reward"].split()[-1] == "1"
 

@@ -18,6 +18,7 @@ from app.core.config import Settings
 from examples.financial_reports.traces import preference_pairs
 from tests.conftest import agent_rft_inference, jsonl, live_server, make_project, wait_for
 from tests.rl.tool_server import tool_server
+from tests.test_evals_e2e import grader_server
 from tests.test_training_e2e import celery_worker, training_settings  # noqa: F401 - the fixture
 
 SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the reports",
@@ -66,6 +67,7 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
             answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=40,
                                                  temperature=0, messages=browsing_row("Hooli", 2024)["messages"][:2],
                                                  tool_choice={"type": "function", "function": {"name": "search"}})
+            runs, items, tool_calls, grader_calls = evaluate_from(sdk, done.fine_tuned_model, log)
             rl_job, rl_events, rollouts = reinforce_from(sdk, done.fine_tuned_model, log)
             dpo_job, dpo_metrics, dpo_answer = prefer_from(sdk, done.fine_tuned_model, log)
             other = make_project(training_settings)
@@ -87,6 +89,23 @@ def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_setting
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
     (call,) = answer.choices[0].message.tool_calls
     assert call.function.name == "search" and isinstance(json.loads(call.function.arguments), dict)
+    # An eval of the base model and the fine-tuned one, each item a rollout against the tool server:
+    # the fine-tuned model searches (the base never does), and every tool call and grader call of an
+    # item carries that item's trace id; the output items hold the trajectory.
+    assert [r.status for r in runs] == ["completed", "completed"], [r.error for r in runs]
+    base_items, tuned_items = items
+    assert sum(len(i.model_extra["x_trajectory"]["tool_calls"]) for i in tuned_items) > 0
+    tuned_traces = {i.model_extra["x_trace_id"]: i for i in tuned_items}
+    assert len(tuned_traces) == len(tuned_items) == 2
+    for trace_id, item in tuned_traces.items():
+        calls = [c for c in tool_calls if c["body"]["trace_id"] == trace_id]
+        assert len(calls) == len(item.model_extra["x_trajectory"]["tool_calls"])
+        assert [c["body"]["name"] for c in calls] == [c["name"] for c in item.model_extra["x_trajectory"]["tool_calls"]]
+    assert {c["body"]["trace_id"] for c in tool_calls} <= set(tuned_traces) | {
+        i.model_extra["x_trace_id"] for i in base_items}
+    all_traces = sorted([*tuned_traces, *(i.model_extra["x_trace_id"] for i in base_items)])
+    assert sorted(g["trace_id"] for g in grader_calls) == all_traces  # one grader call per item
+    assert all(i.model_extra["x_trajectory"]["messages"][0]["role"] == "system" for i in base_items + tuned_items)
     # Reinforcement from the supervised model: it samples with the adapter SFT trained (it calls the
     # tool, which the base model never does) and names the base model under it.
     assert rl_job.status == "succeeded", rl_job.error
@@ -148,6 +167,32 @@ def prefer_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001
     answer = sdk.chat.completions.create(model=done.fine_tuned_model, tools=[SEARCH], max_tokens=30, temperature=0,
                                          messages=traces(["Hooli"], 2024)[0]["messages"][:4])
     return done, metrics, answer
+
+
+def evaluate_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001
+    """An eval (a string check and an endpoint grader) run on the base model and on `model`, with
+    the search tool's endpoint: each held-out question is a rollout, as in training."""
+    questions = [{"messages": browsing_row(c, 2024)["messages"][:2], "company": c} for c in COMPANIES[8:]]
+    with tool_server() as (tool_url, tools), grader_server() as (grader_url, graded):
+        evaluation = sdk.evals.create(name="held out", data_source_config={
+            "type": "custom", "item_schema": {"type": "object", "properties": {"company": {"type": "string"}}}},
+            testing_criteria=[{"type": "string_check", "name": "named", "input": "{{sample.output_text}}",
+                               "reference": "{{item.company}}", "operation": "like"},
+                              {"type": "endpoint", "name": "judge", "url": grader_url}])
+        runs = [sdk.evals.runs.create(evaluation.id, name=name, data_source={
+            "type": "completions", "model": name, "input_messages": {"type": "item_reference",
+                                                                     "item_reference": "item.messages"},
+            "source": {"type": "file_content", "content": [{"item": q} for q in questions]},
+            "sampling_params": {"temperature": 0.7, "max_completion_tokens": 40, "tools": [SEARCH]},
+            "x_open_model": {"tools": [{"name": "search", "server_url": tool_url}], "max_episode_steps": 2,
+                             "max_tokens_per_rollout": 80}}) for name in ("SmolLM2-135M-Instruct", model)]
+        for run in runs:
+            wait_for(lambda r=run: sdk.evals.runs.retrieve(r.id, eval_id=evaluation.id).status in (
+                "completed", "failed", "canceled"), timeout=300, interval=1.0)
+        done = [sdk.evals.runs.retrieve(r.id, eval_id=evaluation.id) for r in runs]
+        assert all(r.status == "completed" for r in done), ([r.error for r in done], log.read_text()[-3000:])
+        items = [list(sdk.evals.runs.output_items.list(r.id, eval_id=evaluation.id)) for r in runs]
+        return done, items, list(tools.calls), list(graded)
 
 
 def reinforce_from(sdk: openai.OpenAI, model: str, log) -> tuple:  # noqa: ANN001

@@ -290,6 +290,11 @@ def _tools(comparison: dict[str, Any]) -> list[str]:
     return sorted({t for run in comparison["runs"] for t in run["tool_calls_by_tool"]})
 
 
+def _clip(text: str, width: int = 40) -> str:
+    """A long name (an `ft:` model's) cut in the middle, so that a column stays readable."""
+    return text if len(text) <= width else f"{text[:width // 2 - 1]}…{text[-(width // 2):]}"
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
@@ -300,7 +305,7 @@ def format_comparison(comparison: dict[str, Any]) -> str:
     tool, then how the items of each other run moved against the baseline (quadrant counts)."""
     runs, baseline = comparison["runs"], comparison["baseline_run_id"]
     rows = [["", *[(r["name"] or r["id"]) + (" (baseline)" if r["id"] == baseline else "") for r in runs]],
-            ["run", *[r["id"] for r in runs]], ["model", *[r["model"] or "—" for r in runs]],
+            ["run", *[r["id"] for r in runs]], ["model", *[_clip(r["model"] or "—") for r in runs]],
             ["status", *[r["status"] for r in runs]],
             ["items / samples", *[f"{r['items']} / {r['samples']}" for r in runs]],
             ["errored", *[str(r["errored"]) for r in runs]],
@@ -315,7 +320,8 @@ def format_comparison(comparison: dict[str, Any]) -> str:
     text = _table(rows)
     others = [r for r in runs if r["id"] != baseline]
     if others:
-        moved = [[f"items vs {baseline}", *[r["name"] or r["id"] for r in others]]]
+        base_name = next(r["name"] or r["id"] for r in runs if r["id"] == baseline)
+        moved = [[f"items against {base_name}", *[r["name"] or r["id"] for r in others]]]
         moved += [[label, *[str(comparison["quadrants"][r["id"]][label]) for r in others]] for label in QUADRANTS]
         text += "\n\n" + _table(moved)
     return text + "\n"

@@ -51,10 +51,10 @@ def job_models(session: Session, job: Job) -> list[tuple[str, str]]:
     its final model (the last checkpoint's weights)."""
     checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id)
                                        .order_by(Checkpoint.step_number)))
-    models = [(f"start: {job.model}", job.model)]
+    models = [("start", job.model)]
     models += [(f"step {c.step_number}", c.fine_tuned_model_checkpoint) for c in checkpoints[:-1]]
     if job.fine_tuned_model:
-        models.append((f"final: step {checkpoints[-1].step_number}" if checkpoints else "final", job.fine_tuned_model))
+        models.append((f"final (step {checkpoints[-1].step_number})" if checkpoints else "final", job.fine_tuned_model))
     return models
 
 
@@ -93,7 +93,7 @@ def eval_from_job(*, session: Session, settings: Settings, project_id: str, job_
     if not criteria:
         raise bad_request(f"Job '{job_id}' has no grader ({job.method.get('type')} job): give testing_criteria.",
                           param="testing_criteria", code="missing_required_parameter")
-    models = [(f"model: {m}", m) for m in body.models] + job_models(session, job)
+    models = [(m, m) for m in body.models] + job_models(session, job)
     if len(models) > MAX_MODELS:
         raise bad_request(f"That makes {len(models)} runs; a comparison takes at most {MAX_MODELS}.", param="models")
     evaluation = service.add_eval(session, project_id, name=body.name or f"{job.id} checkpoints",

@@ -6,11 +6,12 @@ right answer and charged for every tool call and token, teaches it to go straigh
 Every part runs as it would for a user: the API (`agent-rft serve`), a training worker
 (`agent-rft worker`), the inference server, the example tool server and grader server are
 separate processes on free 127.0.0.1 ports sharing one data directory (SQLite, embedded broker);
-the demo drives the API with the official `openai` SDK and evaluates the base model, the starting
-agent and the trained agent with `agent-rft eval` (the training engine) on companies never trained
-on. All values come from examples/financial_reports/demo_config.py.
+the demo drives the API with the official `openai` SDK and ends with `agent-rft compare`: an eval
+run of the base model, the starting agent and the trained agent on companies never trained on,
+on the worker with the job's tools and grader. All values come from
+examples/financial_reports/demo_config.py.
 
-The demo process itself never imports torch: models load in the worker and the eval processes,
+The demo process itself never imports torch: models load in the worker and the inference server,
 which the demo can stop at any moment. Children run in their own sessions; on success, failure,
 Ctrl-C, SIGTERM or an exhausted time budget every child's process group is terminated, then
 killed after a grace period, and the demo exits 0 only if every stage passed.
@@ -39,7 +40,7 @@ import openai
 from examples.financial_reports import demo_config
 from examples.financial_reports.demo_config import DemoConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 MARKER = ".agent-rft-demo"  # written into the workdir: only a directory holding it is ever wiped
 GRACE_S = 5.0  # SIGTERM to SIGKILL
 POLL_S = 1.0
@@ -82,12 +83,13 @@ class Children:
     running: dict[str, Child] = field(default_factory=dict)
     started: dict[str, int] = field(default_factory=dict)  # every child ever started: name -> pid
 
-    def start(self, name: str, argv: list[str]) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        """`env`: added to the demo's environment for this child only (a secret stays off its command line)."""
         log = self.workdir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
             # Own session: a terminal's Ctrl-C reaches the demo only, which then stops the groups in order.
-            proc = subprocess.Popen(argv, env=self.env, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(argv, env={**self.env, **(env or {})}, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.running[name] = child = Child(name, proc, log)
         self.started[name] = proc.pid
@@ -161,7 +163,8 @@ class Demo:
     workdir: Path
     children: Children
     ports: dict[str, int]
-    dtype: str = "float32"  # demo_config.dtype(config): the job's x_open_model.dtype and eval's --dtype
+    dtype: str = "float32"  # demo_config.dtype(config): both jobs' x_open_model.dtype (the eval runs take the job's)
+    api_key: str = ""  # the demo project's key, once created
     started: float = field(default_factory=time.monotonic)
     stage: str = "setup"
     timings: dict[str, float] = field(default_factory=dict)
@@ -333,32 +336,25 @@ def upload(client: openai.OpenAI, paths: dict[str, Path]) -> dict[str, str]:
     return ids
 
 
-def evaluate(demo: Demo, label: str, model: str, paths: dict[str, Path]) -> dict[str, Any]:
-    """`agent-rft eval` on the held-out rows, in a child process the demo can stop at any time."""
-    cfg, out = demo.config, demo.workdir / f"eval-{label}.json"
-    x = cfg.x_open_model
-    argv = cli_argv("eval", "--model", model, "--data", str(paths["held_out"]), "--tools", str(paths["tools"]),
-                    "--grader", str(paths["grader"]), "--n", str(cfg.eval_rollouts_per_row),
-                    "--temperature", str(cfg.eval_temperature), "--max-episode-steps", str(cfg.tool_budget),
-                    "--max-tokens-per-turn", str(x.get("max_tokens_per_turn", 256)),
-                    "--max-tokens-per-rollout", str(x.get("max_tokens_per_rollout", 2048)), "--dtype", demo.dtype,
-                    "--json", str(out))
-    child = demo.children.start(f"eval-{label}", argv)
-    deadline = time.monotonic() + cfg.job_timeout_s
+def compare(demo: Demo, job: Any, held_out_file: str, paths: dict[str, Path]) -> dict[str, Any]:
+    """`agent-rft compare` on the reinforcement job, in a child process the demo can stop at any
+    time: an eval of the base model, the starting agent (the job's start) and the trained agent on
+    the held-out questions, each a rollout with the job's tools, graded by the job's grader and by
+    whether the answer is right; the workers run it as they run jobs."""
+    cfg, out = demo.config, demo.workdir / "comparison.json"
+    base = ["--model", cfg.model] if cfg.evaluate_base else []
+    argv = cli_argv("compare", job.id, "--file", held_out_file, *base, "--criterion", str(paths["grader"]),
+                    "--samples", str(cfg.eval_rollouts_per_row), "--timeout", str(cfg.job_timeout_s),
+                    "--json", str(out), "--base-url", f"{demo.url('api')}/v1")
+    child = demo.children.start("compare", argv, env={"AGENT_RFT_API_KEY": demo.api_key})
     while child.proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise StageFailed(f"the {label} evaluation took over {cfg.job_timeout_s:.0f} s")
+        demo.children.check_alive()
         time.sleep(0.2)
-    _stop_groups([demo.children.running.pop(child.name)])  # anything the eval left in its group
+    demo.children.running.pop(child.name)
     if child.proc.returncode != 0 or not out.is_file():
-        raise StageFailed(f"`agent-rft eval` exited with status {child.proc.returncode}:\n{child.tail()}")
-    report = json.loads(out.read_text())
-    report.pop("rollouts", None)  # the transcripts stay in eval-<label>.json
-    summary = report["summary"]
-    print(f"{label}: {report['accuracy']['pass_rate']:.0%} correct, {summary.get('tool_calls_per_rollout', 0):.2f} "
-          f"tool calls, {summary.get('completion_tokens_per_rollout', 0) + summary.get('tool_output_tokens_per_rollout', 0):.0f} "
-          f"tokens, {summary.get('wall_time_s_mean', 0):.1f} s per rollout  (details: {out})")
-    return report
+        raise StageFailed(f"`agent-rft compare` exited with status {child.proc.returncode}:\n{child.tail()}")
+    print(child.tail(100_000).rstrip())
+    return json.loads(out.read_text())
 
 
 def call_tool(demo: Demo, call: Any, item: dict[str, Any]) -> str:
@@ -491,85 +487,40 @@ def final_checkpoint(workdir: Path, job_id: str) -> Path:
     return max(steps, key=lambda p: int(p.name.removeprefix("step-")))
 
 
-# --- the table --------------------------------------------------------------------------------------
-
-
-STAGE_COLUMNS = {"base": "base", "starting_agent": "starting", "after_rft": "after RFT"}
-
-
-def comparison_rows(reports: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
-    """One row per measure, one column per evaluated stage (base model, starting agent, after RFT)."""
-    def row(name: str, read: Callable[[dict[str, Any]], Any], spec: str) -> tuple[str, ...]:
-        values = [read(report) for report in reports.values()]
-        return (name, *(format(v, spec) if isinstance(v, (int, float)) else "-" for v in values))
-
-    def summary(key: str) -> Callable[[dict[str, Any]], Any]:
-        return lambda report: report["summary"].get(key)
-
-    tools = sorted({tool for report in reports.values() for tool in report["summary"].get("tool_calls_per_rollout_by_tool", {})})
-    return [
-        row("correct answers", lambda r: r["accuracy"]["pass_rate"], ".0%"),
-        row("tool calls per rollout", summary("tool_calls_per_rollout"), ".2f"),
-        *(row(f"  {tool}", lambda r, t=tool: r["summary"].get("tool_calls_per_rollout_by_tool", {}).get(t, 0.0), ".2f")
-          for tool in tools),
-        row("tokens per rollout", lambda r: r["summary"]["completion_tokens_per_rollout"]
-            + r["summary"]["tool_output_tokens_per_rollout"], ".0f"),
-        row("  completion", summary("completion_tokens_per_rollout"), ".0f"),
-        row("  tool output", summary("tool_output_tokens_per_rollout"), ".0f"),
-        row("seconds per rollout", summary("wall_time_s_mean"), ".1f"),
-        row("answered within budget", lambda r: r["summary"]["finish_reasons"].get("answered", 0.0), ".0%"),
-    ]
-
-
-def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
-    columns = [STAGE_COLUMNS[stage] for stage in reports]
-    lines = [f"{'held-out, per rollout':26}" + "".join(f"{c:>12}" for c in columns)]
-    lines += [f"{name:26}" + "".join(f"{v:>12}" for v in values) for name, *values in comparison_rows(reports)]
-    return "\n".join(lines)
-
-
 # --- the whole demo ---------------------------------------------------------------------------------
 
 
 def stages(demo: Demo) -> None:
     cfg = demo.config
-    with demo.step("1/9 data: synthetic annual reports and questions"):
+    with demo.step("1/8 data: synthetic annual reports and questions"):
         paths = make_data(demo)
         paths["tools"] = demo.workdir / "tools.json"
         paths["tools"].write_text(json.dumps(job_tools(demo.url("tools")), indent=2))
-        paths["grader"] = demo.workdir / "correct-answer.json"  # what the evaluations count as correct
+        paths["grader"] = demo.workdir / "correct-answer.json"  # what the comparison counts as correct
         paths["grader"].write_text(json.dumps(demo_config.CORRECT_ANSWER))
-    with demo.step("2/9 services: API, worker, inference, tool server, grader"):
+    with demo.step("2/8 services: API, worker, inference, tool server, grader"):
         key = create_project(demo.workdir)
         key_file = demo.workdir / "api-key"
         key_file.touch(mode=0o600)
         key_file.write_text(key + "\n")
+        demo.api_key = key
         start_services(demo, paths["corpus"])
     client = openai.OpenAI(base_url=f"{demo.url('api')}/v1", api_key=key, max_retries=2)
-    with demo.step("3/9 browsing traces: a scripted, wasteful policy against the tool server"):
+    with demo.step("3/8 browsing traces: a scripted, wasteful policy against the tool server"):
         write_traces(demo, paths)
-    with demo.step("4/9 upload (openai SDK)"):
+    with demo.step("4/8 upload (openai SDK)"):
         files = upload(client, paths)
-    with demo.step("5/9 the starting agent: supervised fine-tuning on the traces"):
+    with demo.step("5/8 the starting agent: supervised fine-tuning on the traces"):
         starting = train(demo, client, label="starting_agent", model=cfg.model, training_file=files["traces"],
                          method=supervised_method(demo))
-    evaluations: dict[str, dict[str, Any]] = {}
-    with demo.step("6/9 before: the base model and the starting agent on held-out companies"):
-        if cfg.evaluate_base:
-            evaluations["base"] = evaluate(demo, "base", cfg.model, paths)
-        evaluations["starting_agent"] = evaluate(demo, "starting_agent",
-                                                 str(final_checkpoint(demo.workdir, starting.id)), paths)
-    with demo.step("7/9 reinforcement fine-tuning from the starting agent's ft: model"):
+    with demo.step("6/8 reinforcement fine-tuning from the starting agent's ft: model"):
         job = train(demo, client, label="rft", model=starting.fine_tuned_model, training_file=files["train"],
                     method=reinforcement_method(demo))
-    with demo.step("8/9 after: the trained agent on held-out companies"):
-        checkpoint = final_checkpoint(demo.workdir, job.id)
-        demo.report["checkpoint"] = str(checkpoint)
-        evaluations["after_rft"] = evaluate(demo, "after_rft", str(checkpoint), paths)
-        demo.report["evaluations"] = evaluations
-    with demo.step("9/9 use the trained agent (chat completions, openai SDK), and the results"):
+        demo.report["checkpoint"] = str(final_checkpoint(demo.workdir, job.id))
+    with demo.step("7/8 use the trained agent (chat completions, openai SDK)"):
         demo.report["serving"] = use_trained_model(demo, client, job.fine_tuned_model, paths)
-        print("\n" + format_comparison(evaluations))
+    with demo.step("8/8 which model to ship: agent-rft compare on held-out companies"):
+        demo.report["comparison"] = compare(demo, job, files["held_out"], paths)
         dashboard = f"{demo.url('api')}/dashboard"
         print(f"\nThe run is kept in {demo.workdir}. To browse it on the dashboard (reward curves, the tool-call mix "
               f"step by step, rollout transcripts) and call the trained model once the demo has stopped:\n"

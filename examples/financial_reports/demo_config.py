@@ -18,7 +18,7 @@ from typing import Any
 from examples.financial_reports.grader_server import Charges
 from examples.financial_reports.traces import BROWSING_PROMPT, CAT_LIMIT
 
-# What the before/after evaluations count as correct: the first number of the answer that is not a
+# What the comparison counts as correct: the first number of the answer that is not a
 # bare year matches the report's figure (with its scale, within 1 %).
 CORRECT_ANSWER: dict[str, Any] = {
     "type": "numeric_match", "name": "correct", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
@@ -80,10 +80,10 @@ class DemoConfig:
     # x_open_model.dtype and `agent-rft eval --dtype` get the resolved value.
     bf16_where_native: bool = True
 
-    # --- evaluations on the held-out questions (same engine as training) ---
+    # --- `agent-rft compare` on the held-out questions: eval runs sampling as the reinforcement job
+    # did (its tools, budget, token caps, temperature), graded by its grader and by CORRECT_ANSWER ---
     evaluate_base: bool = True  # the untrained model too (it never calls a tool with this prompt)
     eval_rollouts_per_row: int = 1
-    eval_temperature: float = 0.7
 
     # --- limits: they only stop a run that hangs, or a much slower machine ---
     # On 2 AVX2 cores in float32 the reinforcement job alone took 9-19 minutes (benchmarks/demo_learning).
