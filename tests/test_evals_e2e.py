@@ -84,6 +84,8 @@ def test_given_samples_and_a_model_run_are_graded_by_every_criterion_on_a_worker
         after_cancel = sdk.evals.runs.retrieve(long_run.id, eval_id=evaluation.id)
         jsonl_items = output_items(sdk, evaluation.id, jsonl_run.id)
         model_items = output_items(sdk, evaluation.id, model_run.id)
+        one = sdk.evals.runs.output_items.retrieve(model_items[0].id, eval_id=evaluation.id, run_id=model_run.id)
+        failing = list(sdk.evals.runs.output_items.list(jsonl_run.id, eval_id=evaluation.id, status="fail"))
         comparison = sdk.get(f"/evals/{evaluation.id}/x_compare", cast_to=dict,
                              options={"params": {"run_ids": [jsonl_run.id, model_run.id]}})
         csv_path = training_settings.data_dir / "comparison.csv"
@@ -118,6 +120,8 @@ def test_given_samples_and_a_model_run_are_graded_by_every_criterion_on_a_worker
         assert [m.content for m in item.sample.input][1] == item.datasource_item["question"]
         assert item.sample.usage.completion_tokens > 0 and item.sample.finish_reason in ("stop", "length")
         assert item.model_extra["x_trajectory"]["messages"][1]["content"] == item.datasource_item["question"]
+    assert one.model_dump() == model_items[0].model_dump()
+    assert sorted(i.datasource_item_id for i in failing) == [1, 3]
     usage = done_model.per_model_usage[0]
     assert usage.run_model_name == "tiny-smollm2" and usage.invocation_count == 8
     assert usage.completion_tokens == sum(i.sample.usage.completion_tokens for i in model_items)

@@ -38,7 +38,8 @@ def file_id_of(client: openai.OpenAI, file: str | None, echo: Echo) -> str | Non
 def compare_job(client: openai.OpenAI, job_id: str, *, file: str | None, models: list[str],
                 criteria: list[dict[str, Any]], samples: int, timeout_s: float, echo: Echo) -> dict[str, Any]:
     """Make the eval from the job, wait for its runs, and return the comparison (its runs in order:
-    other models, the start, the checkpoints, the final model; the first is the baseline)."""
+    other models, the start, the checkpoints, the final model), against what the job started from:
+    did training help?"""
     with api_errors():
         body = {"file_id": file_id_of(client, file, echo), "models": models, "testing_criteria": criteria,
                 "samples_per_item": samples}
@@ -47,7 +48,8 @@ def compare_job(client: openai.OpenAI, job_id: str, *, file: str | None, models:
         eval_id, runs = made["eval"]["id"], made["runs"]
         echo(f"eval {eval_id}: {len(runs)} runs ({', '.join(r['name'] for r in runs)})")
         wait_for_runs(client, eval_id, [r["id"] for r in runs], timeout_s=timeout_s, echo=echo)
-        return comparison(client, eval_id, [r["id"] for r in runs])
+        start = runs[len(models)]["id"]  # the runs of `models` come first
+        return comparison(client, eval_id, [r["id"] for r in runs], baseline=start)
 
 
 def wait_for_runs(client: openai.OpenAI, eval_id: str, run_ids: list[str], *, timeout_s: float, echo: Echo,
@@ -80,12 +82,13 @@ def comparison(client: openai.OpenAI, eval_id: str, run_ids: list[str], baseline
         return client.get(f"/evals/{eval_id}/x_compare", cast_to=dict, options={"params": params})
 
 
-def dashboard_url(client: openai.OpenAI, eval_id: str, run_ids: list[str]) -> str:
+def dashboard_url(client: openai.OpenAI, result: dict[str, Any]) -> str:
+    """The dashboard page of a comparison: the same runs against the same baseline."""
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
-    return f"{base}/dashboard/evals/{eval_id}/compare?runs={','.join(run_ids)}"
+    runs = ",".join(r["id"] for r in result["runs"])
+    return f"{base}/dashboard/evals/{result['eval_id']}/compare?runs={runs}&baseline={result['baseline_run_id']}"
 
 
 def report(client: openai.OpenAI, result: dict[str, Any]) -> str:
     """The table, then where to see it on the dashboard."""
-    run_ids = [r["id"] for r in result["runs"]]
-    return f"{format_comparison(result)}\n\ncompare them on the dashboard: {dashboard_url(client, result['eval_id'], run_ids)}"
+    return f"{format_comparison(result)}\ncompare them on the dashboard: {dashboard_url(client, result)}"
