@@ -44,6 +44,9 @@ def upload(sdk: openai.OpenAI, rows: list[dict], name: str) -> str:
     return sdk.files.create(file=(name, io.BytesIO(jsonl(rows))), purpose="fine-tune").id
 
 
+# The chain on the real model (supervised, an eval of two models, reinforcement, DPO) takes about
+# 2 minutes alone and up to 5 beside the suite's other heavy tests on 2 cores.
+@pytest.mark.timeout(600)
 def test_a_supervised_job_lowers_its_validation_loss_and_serves(training_settings: Settings, project):  # noqa: ANN001, F811
     token = training_settings.worker_token.get_secret_value()
     with agent_rft_inference(training_settings, token=token) as (inference, _, _):
