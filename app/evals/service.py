@@ -33,7 +33,7 @@ from app.evals.schemas import (
     RunCreate,
     RunObject,
 )
-from app.evals.state import FROM_PUBLIC, TERMINAL, RunStatus, public_status, transition
+from app.evals.state import FROM_PUBLIC, RunStatus, public_status, transition
 from app.jobs import service as jobs
 from app.jobs.lineage import fine_tuned_source, is_fine_tuned
 from app.jobs.methods.reinforcement import check_grader, check_tools
@@ -334,10 +334,6 @@ def delete_run(*, session: Session, project_id: str, eval_id: str, run_id: str) 
     row = run_row(session, project_id, eval_id, run_id, for_update=True)
     session.execute(delete(EvalOutputItem).where(EvalOutputItem.run_id == row.id))
     session.delete(row)
-
-
-def is_final(row: EvalRun) -> bool:
-    return RunStatus(row.status) in TERMINAL
 
 
 # --- output items ---------------------------------------------------------------------------------
