@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -30,6 +30,7 @@ FILE_KEYS = ("training_file", "validation_file")
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
 
 Echo = Callable[[str], None]
+T = TypeVar("T")
 
 
 class CliError(Exception):
@@ -391,21 +392,33 @@ def diagnostic_rollouts(client: openai.OpenAI, diagnostic_id: str, *, sample_ind
         after = page["last_id"]
 
 
+def poll_until(fetch: Callable[[], T], done: Callable[[T], bool], *, interval: float, deadline: float | None,
+               late: Callable[[T], str]) -> T:
+    """`fetch()` every `interval` seconds until `done` with what it returned; CliError(`late(last)`)
+    once the `deadline` (time.monotonic) has passed."""
+    while True:
+        result = fetch()
+        if done(result):
+            return result
+        if deadline is not None and time.monotonic() > deadline:
+            raise CliError(late(result))
+        time.sleep(interval)
+
+
 def wait_for_diagnostic(client: openai.OpenAI, diagnostic_id: str, *, interval: float = 2.0,
                         on_progress: Callable[[dict[str, Any]], None] | None = None,
                         timeout_s: float | None = None) -> dict[str, Any]:
     """Poll until the diagnostic is final; `on_progress` sees every state polled."""
-    deadline = time.monotonic() + timeout_s if timeout_s else None
-    while True:
+    def fetch() -> dict[str, Any]:
         diagnostic = retrieve_diagnostic(client, diagnostic_id)
         if on_progress:
             on_progress(diagnostic)
-        if diagnostic["status"] in FINAL_STATUSES:
-            return diagnostic
-        if deadline is not None and time.monotonic() > deadline:
-            raise CliError(f"diagnostic {diagnostic_id} did not finish within {timeout_s:.0f} s "
-                           f"(status {diagnostic['status']})")
-        time.sleep(interval)
+        return diagnostic
+
+    return poll_until(fetch, lambda d: d["status"] in FINAL_STATUSES, interval=interval,
+                      deadline=time.monotonic() + timeout_s if timeout_s else None,
+                      late=lambda d: f"diagnostic {diagnostic_id} did not finish within {timeout_s:.0f} s "
+                                     f"(status {d['status']})")
 
 
 def run_diagnostic(client: openai.OpenAI, *, model: str, training_file: str, method: dict[str, Any],

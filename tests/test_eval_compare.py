@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_session_factory
@@ -21,6 +22,7 @@ from app.core.errors import APIError
 from app.evals.compare import QUADRANTS, compare, compare_runs, comparison_csv, format_comparison, quadrant
 from app.core.migrations import upgrade
 from app.evals.models import Eval, EvalOutputItem, EvalRun
+from app.evals.service import refresh_result
 from tests.conftest import make_project
 
 CRITERIA = [{"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
@@ -268,6 +270,8 @@ def seed_comparison(settings: Any, project_id: str) -> dict[str, Any]:
                         sample_index=0, trace_id=row["trajectory"]["trace_id"], status=row["status"],
                         datasource_item=row["datasource_item"], results=row["results"], sample=row["sample"],
                         trajectory=row["trajectory"]))
+            for key in ("base", "ft"):  # the counts the control plane keeps with every push of items
+                refresh_result(session, session.scalars(select(EvalRun).where(EvalRun.id == ids[key])).one())
     finally:
         engine.dispose()
     return ids

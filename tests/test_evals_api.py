@@ -111,6 +111,8 @@ def test_runs_are_created_listed_cancelled_and_deleted_and_their_tool_secrets_ma
     (completions_source(source={"type": "file_id", "id": "file-nope"}), "data_source.source.id"),
     (completions_source(input_messages={"type": "template", "template": [{"role": "user", "content": "{{x.y}}"}]}),
      "data_source.input_messages.template[0].content"),
+    (completions_source(input_messages={"type": "template", "template": [{"role": "robot", "content": "hi"}]}),
+     "data_source.input_messages.template[0].role"),
     (completions_source(sampling_params={"temperature": 3}), "data_source.sampling_params.temperature"),
     (completions_source(sampling_params={"response_format": {"type": "json_schema"}}),
      "data_source.sampling_params.response_format"),

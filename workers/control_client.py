@@ -246,6 +246,13 @@ class Heartbeat(threading.Thread):
             log.warning("heartbeat for %s failed: %s", self.run_id, exc)
         return self.action
 
+    def go_on(self) -> bool:
+        """Beat now: whether the run may go on (False once it was cancelled, paused or lost). After a
+        lease's time without an answer, ControlPlaneUnreachable: give the run back."""
+        if self.beat() == "unreachable":
+            raise ControlPlaneUnreachable(503, "control_plane_unreachable", "no heartbeat answer for a lease's time")
+        return self.action == "continue"
+
     def run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
             if self.beat() == "lost":

@@ -80,12 +80,10 @@ class DiagnosticRun:
         await asyncio.to_thread(self.client.push_diagnostic_rollouts, self.id, self.lease_id, records)
 
     async def control(self) -> str:
-        action = await asyncio.to_thread(self.heartbeat.beat)
-        if "unreachable" in (action, self.outer.action if self.outer else None):
+        go_on = await asyncio.to_thread(self.heartbeat.go_on)
+        if self.outer is not None and self.outer.action == "unreachable":
             raise ControlPlaneUnreachable(503, "control_plane_unreachable", "no heartbeat answer for a lease's time")
-        if action != "continue" or (self.outer is not None and self.outer.action != "continue"):
-            return "cancel"
-        return "continue"
+        return "continue" if go_on and (self.outer is None or self.outer.action == "continue") else "cancel"
 
 
 def claim_with_patience(client: ControlPlaneClient, diagnostic_id: str, worker_id: str, *,

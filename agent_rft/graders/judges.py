@@ -29,6 +29,7 @@ from agent_rft.retry import THROTTLE_STATUS, async_retrying, excerpt, retryable_
 from agent_rft.tracing import traceparent
 from agent_rft.urls import BlockedURL, guard_url, guarded_client
 from agent_rft.graders.core import GraderContext, GraderError
+from agent_rft.graders.templating import content_text
 
 RETRY_BACKOFF_S = 0.5  # first backoff; doubled per retry, with jitter
 RETRY_BACKOFF_MAX_S = 8.0
@@ -217,19 +218,13 @@ def _reply_from_completion(response: httpx.Response, requested_model: str) -> Ju
         ) from None
     usage = completion.get("usage") or {}
     return JudgeReply(
-        content=_message_text(message.get("content")),
+        content=content_text(message.get("content")),  # some servers answer with parts
         model=completion.get("model") or requested_model,
         finish_reason=choice.get("finish_reason"),
         refusal=message.get("refusal") or None,
         usage={k: int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
                if isinstance(usage.get(k), (int, float))},
     )
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, list):  # some servers answer with content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
 
 
 # --- local judge -----------------------------------------------------------------------------

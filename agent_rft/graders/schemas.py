@@ -7,7 +7,7 @@ of a grader; running one is the grader engine's job.
 from __future__ import annotations
 
 import ast
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -187,3 +187,16 @@ Grader = Annotated[
 MultiGrader.model_rebuild()
 GRADER_TYPES = ("string_check", "text_similarity", "numeric_match", "score_model", "label_model", "python", "multi", "endpoint")
 register_union_tags(*GRADER_TYPES)
+# The types whose own configuration decides `passed` with a pass_threshold.
+_OWN_THRESHOLD = frozenset(get_args(model.model_fields["type"].annotation)[0] for model in (
+    StringCheckGrader, TextSimilarityGrader, NumericMatchGrader, ScoreModelGrader, LabelModelGrader, PythonGrader,
+    MultiGrader, EndpointGrader) if "pass_threshold" in model.model_fields)
+
+
+def split_pass_threshold(criterion: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """An eval's testing criterion as (its grader's configuration, the pass_threshold it carries
+    beside a grader type that has none of its own): OpenAI's criteria take one on any type."""
+    body = dict(criterion)
+    if body.get("type") in _OWN_THRESHOLD:
+        return body, None
+    return body, body.pop("pass_threshold", None)

@@ -62,6 +62,14 @@ def to_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def content_text(content: Any) -> str:
+    """A chat message's content as text: a string as it is, the text of a list of content parts
+    joined (other parts dropped), anything else empty."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
 def render(template: str, sample: Sample, item: dict[str, Any]) -> str:
     """Fill every `{{ path }}` hole with the text of the value it names."""
     return _HOLE.sub(lambda m: to_text(resolve(m.group(1), sample, item)), template)

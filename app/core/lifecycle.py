@@ -26,6 +26,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from app.core.bearer import same_secret
 from app.core.db import utcnow
 from app.core.errors import APIError, conflict, not_found
+from app.core.worker_schemas import UNEXPLAINED_FAILURE
 from agent_rft.ids import new_id
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ class StateMachine(Generic[Status]):
         if system:
             allowed = allowed | self.system_transitions.get(current, frozenset())
         return to in allowed
+
+    def status(self, value: str) -> Status:
+        """`value` as one of this machine's statuses."""
+        return type(next(iter(self.terminal)))(value)
 
     def move(self, session: Session, row: Any, to: Status, *, action: str | None = None,
              error: dict[str, Any] | None = None, **details: Any) -> None:
@@ -165,6 +170,23 @@ def finishing_run(session: Session, model: type[Run], run_id: str, lease_id: str
     if row.gave_back(lease_id):
         return row, True
     raise lease_lost(row, lease_id)
+
+
+def end_run(session: Session, model: type[Run], run_id: str, lease_id: str, *, status: str,
+            error: dict[str, Any] | None, states: StateMachine[Any], refresh: Callable[[Run], None]) -> str:
+    """A worker's finish of a run it leased (a diagnostic, an eval run): the end it reports (`failed`
+    with its `error`, or the unexplained failure), `refresh(row)` for the results the control plane
+    computes, and the lease given back; a retried finish changes nothing. Returns the status."""
+    row, retried = finishing_run(session, model, run_id, lease_id)
+    if retried:
+        return row.status
+    if row.status == RUNNING:
+        to = states.status(status)
+        failed = to.value == "failed"
+        states.move(session, row, to, error=(error or UNEXPLAINED_FAILURE) if failed else None)
+    refresh(row)
+    row.release_lease(remember=True)
+    return row.status
 
 
 def claim_run(row: LeasedRun, worker_id: str, *, lease_seconds: float, now: datetime,

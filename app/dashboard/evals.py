@@ -35,14 +35,10 @@ def list_evals(*, session: Session, project_id: str, page: int) -> dict[str, Any
     return {"evals": items, "total": total, "page": page, "pages": pages}
 
 
-def _counts(session: Session, run_ids: list[str]) -> dict[str, dict[str, int]]:
-    """Output items per run by status (pass, fail, error)."""
-    counts: dict[str, dict[str, int]] = {rid: {"pass": 0, "fail": 0, "error": 0} for rid in run_ids}
-    stmt = (select(EvalOutputItem.run_id, EvalOutputItem.status, func.count())
-            .where(EvalOutputItem.run_id.in_(run_ids)).group_by(EvalOutputItem.run_id, EvalOutputItem.status))
-    for run_id, status, n in session.execute(stmt):
-        counts[run_id][status] = n
-    return counts
+def _counts(run: EvalRun) -> dict[str, int]:
+    """Output items by status, as the run's stored result counts them (kept current with every push)."""
+    counts = (run.result or {}).get("result_counts") or {}
+    return {"pass": counts.get("passed", 0), "fail": counts.get("failed", 0), "error": counts.get("errored", 0)}
 
 
 def view(*, session: Session, project_id: str, eval_id: str) -> dict[str, Any]:
@@ -51,16 +47,20 @@ def view(*, session: Session, project_id: str, eval_id: str) -> dict[str, Any]:
     found = eval_row(session, project_id, eval_id)
     runs = list(session.scalars(select(EvalRun).where(EvalRun.eval_id == eval_id, EvalRun.project_id == project_id)
                                 .order_by(EvalRun.seq)))
-    counts = _counts(session, [r.id for r in runs])
     names = criterion_names(found.testing_criteria)
     criteria = [{**grader_summary(c if isinstance(c, dict) else {}), "name": name}
                 for c, name in zip(found.testing_criteria or [], names)]
     return {
         "id": found.id, "name": found.name, "created_at": unix(found.created_at), "criteria": criteria,
-        "runs": [{"id": r.id, "name": r.name, "model": r.model or "—", "status": public_status(r.status),
-                  "counts": counts[r.id], "total": sum(counts[r.id].values()), "items_total": r.items_total,
-                  "created_at": unix(r.created_at)} for r in runs],
+        "runs": [_run_row(r) for r in runs],
     }
+
+
+def _run_row(run: EvalRun) -> dict[str, Any]:
+    counts = _counts(run)
+    return {"id": run.id, "name": run.name, "model": run.model or "—", "status": public_status(run.status),
+            "counts": counts, "total": sum(counts.values()), "items_total": run.items_total,
+            "created_at": unix(run.created_at)}
 
 
 def _final_answer(row: EvalOutputItem) -> str | None:

@@ -437,14 +437,9 @@ def eval_page(request: Request, eval_id: str, user: PageUser, session: SessionDe
 RunsQuery = Annotated[list[str] | None, Query()]
 
 
-def _run_ids(runs: list[str] | None) -> list[str]:
-    """`runs=A&runs=B`, `runs=A,B` or both."""
-    return [part.strip() for value in runs or [] for part in value.split(",") if part.strip()]
-
-
 def _comparison(session: Any, user: DashboardUser, eval_id: str, runs: list[str] | None,
                 baseline: str | None) -> dict[str, Any]:
-    return compare_runs(session=session, project_id=user.project_id, eval_id=eval_id, run_ids=_run_ids(runs),
+    return compare_runs(session=session, project_id=user.project_id, eval_id=eval_id, run_ids=runs or [],
                         baseline_run_id=baseline or None)
 
 

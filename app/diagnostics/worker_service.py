@@ -14,8 +14,8 @@ from app.core.crypto import secret_box
 from app.core.db import storable_json, unix, utcnow
 from app.core.errors import bad_request, not_found
 from agent_rft.ids import new_id
-from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
-from app.core.worker_schemas import UNEXPLAINED_FAILURE, HeartbeatResponse
+from app.core.lifecycle import claim_run, end_run, leased_run, locked_run
+from app.core.worker_schemas import HeartbeatResponse
 from app.diagnostics import service
 from app.diagnostics.models import Diagnostic, DiagnosticRollout
 from app.diagnostics.schemas import DiagnosticObject
@@ -28,7 +28,7 @@ from app.diagnostics.worker_schemas import (
     DiagnosticRolloutResult,
     JobDiagnostic,
 )
-from app.diagnostics.state import DiagnosticStatus, transition
+from app.diagnostics.state import DIAGNOSTIC_STATES, DiagnosticStatus, transition
 from app.jobs.models import Job
 from app.jobs.schemas import OpenModelOptions
 from app.jobs.state import ACTIVE as JOB_ACTIVE
@@ -106,16 +106,10 @@ def push_rollouts(*, session: Session, diagnostic_id: str, body: DiagnosticRollo
 
 
 def finish(*, session: Session, diagnostic_id: str, body: DiagnosticFinishPush) -> DiagnosticFinishResult:
-    diagnostic, retried = finishing_run(session, Diagnostic, diagnostic_id, body.lease_id)
-    if retried:
-        return DiagnosticFinishResult(status=diagnostic.status)
-    if diagnostic.status == S.RUNNING.value:
-        target = S(body.status)
-        error = (body.error.model_dump() if body.error else UNEXPLAINED_FAILURE) if target == S.FAILED else None
-        transition(session, diagnostic, target, error=error)
-    service.refresh_result(session, diagnostic)
-    diagnostic.release_lease(remember=True)
-    return DiagnosticFinishResult(status=diagnostic.status)
+    status = end_run(session, Diagnostic, diagnostic_id, body.lease_id, status=body.status,
+                     error=body.error.model_dump() if body.error else None, states=DIAGNOSTIC_STATES,
+                     refresh=lambda row: service.refresh_result(session, row))
+    return DiagnosticFinishResult(status=status)
 
 
 def worker_view(*, session: Session, diagnostic_id: str) -> DiagnosticObject:

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 
-from app.cli_client import CliError, Echo, api_errors, upload_file
+from app.cli_client import CliError, Echo, api_errors, poll_until, upload_file
 from app.evals.compare import format_comparison
 
 FINAL = ("completed", "failed", "canceled")
@@ -54,26 +54,20 @@ def compare_job(client: openai.OpenAI, job_id: str, *, file: str | None, models:
 
 def wait_for_runs(client: openai.OpenAI, eval_id: str, run_ids: list[str], *, timeout_s: float, echo: Echo,
                   interval_s: float = 1.0) -> list[Any]:
-    """Poll until every run is final, printing each as it ends; CliError past the timeout or when one failed."""
-    deadline, ended = time.monotonic() + timeout_s, {}
-    while len(ended) < len(run_ids):
-        for run_id in run_ids:
-            if run_id in ended:
-                continue
-            run = client.evals.runs.retrieve(run_id, eval_id=eval_id)
-            if run.status in FINAL:
-                ended[run_id] = run
-                counts = run.result_counts
-                echo(f"  {run.name}: {run.status}, {counts.passed}/{counts.total} passed")
-        if len(ended) < len(run_ids):
-            if time.monotonic() > deadline:
-                raise CliError(f"the runs did not finish within {timeout_s:.0f} s")
-            time.sleep(interval_s)
-    failed = [run for run in ended.values() if run.status != "completed"]
+    """Poll until every run is final (in order: the workers take them in order), printing each as
+    it ends; CliError past the timeout or when one did not complete."""
+    deadline, ended = time.monotonic() + timeout_s, []
+    for run_id in run_ids:
+        run = poll_until(lambda run_id=run_id: client.evals.runs.retrieve(run_id, eval_id=eval_id),
+                         lambda r: r.status in FINAL, interval=interval_s, deadline=deadline,
+                         late=lambda r: f"the runs did not finish within {timeout_s:.0f} s ({r.name}: {r.status})")
+        echo(f"  {run.name}: {run.status}, {run.result_counts.passed}/{run.result_counts.total} passed")
+        ended.append(run)
+    failed = [run for run in ended if run.status != "completed"]
     if failed:
         raise CliError("; ".join(f"run {r.id} ({r.name}) {r.status}: {r.error.message if r.error else ''}"
                                  for r in failed))
-    return [ended[run_id] for run_id in run_ids]
+    return ended
 
 
 def comparison(client: openai.OpenAI, eval_id: str, run_ids: list[str], baseline: str | None = None) -> dict[str, Any]:

@@ -218,8 +218,9 @@ def _items(runs: list[dict[str, Any]], rows: list[dict[str, Any]], samples: dict
 # --- from the database --------------------------------------------------------------------------
 
 def _run_ids(run_ids: list[str]) -> list[str]:
-    """Distinct, in order, blanks dropped."""
-    return list(dict.fromkeys(r.strip() for r in run_ids if r and r.strip()))
+    """Run ids as a query gives them (repeated, comma-separated, or both): distinct, in order, blanks dropped."""
+    parts = (part.strip() for value in run_ids for part in (value or "").split(","))
+    return list(dict.fromkeys(part for part in parts if part))
 
 
 def _check_request(ids: list[str], baseline_run_id: str | None) -> None:

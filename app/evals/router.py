@@ -85,10 +85,8 @@ def compare_runs(eval_id: str, request: Request, principal: CurrentKey, session:
     baseline, the first run unless named, sorted into reward/tool-call quadrants). `run_ids`:
     repeated, comma-separated, or as the `openai` SDK's `extra_query` sends a list (`run_ids[]`)."""
     query = request.query_params
-    run_ids = [part for value in query.getlist("run_ids") + query.getlist("run_ids[]")
-               for part in value.split(",") if part]
     return compare.compare_runs(session=session, project_id=principal.project_id, eval_id=eval_id,
-                                run_ids=run_ids, baseline_run_id=baseline)
+                                run_ids=query.getlist("run_ids") + query.getlist("run_ids[]"), baseline_run_id=baseline)
 
 
 @router.post("/{eval_id}/runs", response_model=RunObject)

@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from agent_rft.graders import schemas as grader_schemas
-from agent_rft.graders.templating import check_template
+from agent_rft.graders.templating import check_template, content_text
 from agent_rft.ids import new_id
 from app.core.config import Settings
 from app.core.crypto import secret_box
@@ -48,9 +48,8 @@ SAMPLE_SCHEMA = {"type": "object", "properties": {
 EVAL_FILE_PURPOSES = ("evals", "fine-tune")  # OpenAI's purpose for eval items; a job's files run as they are
 _DATA_SOURCE = TypeAdapter(DataSource)
 _GRADER = TypeAdapter(grader_schemas.Grader)
-# The grader types with a pass_threshold of their own; an eval's criterion of another type may carry one too.
-_OWN_THRESHOLD = {"text_similarity", "numeric_match", "score_model", "endpoint"}
 _TAGS = {"completions", "responses", "jsonl", "file_content", "file_id", "template", "item_reference"}
+_UNION_FIELDS = ("source", "input_messages")  # the data source's fields that are tagged unions
 
 
 # --- evals --------------------------------------------------------------------------------------
@@ -92,8 +91,7 @@ def _checked_config(config: dict[str, Any]) -> dict[str, Any]:
 def _checked_criterion(index: int, criterion: dict[str, Any], settings: Settings, *, param: str) -> dict[str, Any]:
     """A grader object, plus the `pass_threshold` OpenAI's testing criteria may carry on any type."""
     param = f"{param}[{index}]"
-    body = dict(criterion)
-    threshold = body.pop("pass_threshold", None) if body.get("type") not in _OWN_THRESHOLD else None
+    body, threshold = grader_schemas.split_pass_threshold(criterion)
     try:
         grader = _GRADER.validate_python(body)
     except ValidationError as exc:
@@ -198,12 +196,16 @@ def public_data_source(data_source: dict[str, Any]) -> dict[str, Any]:
 
 
 def _param_of(loc: tuple[Any, ...]) -> str:
-    """A data source's validation error location as a request param: the union tags dropped."""
+    """A data source's validation error location as a request param. Pydantic names the member of a
+    tagged union by its tag right where the union stands (the data source itself, its `source`, its
+    `input_messages`): those tags are dropped, and only there (`template` is also a field's name)."""
     param = "data_source"
-    for part in loc:
+    for i, part in enumerate(loc):
+        if part in _TAGS and (i == 0 or loc[i - 1] in _UNION_FIELDS):
+            continue
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part not in _TAGS and "[" not in str(part):
+        elif "[" not in str(part):
             param += f".{part}"
     return param
 
@@ -237,13 +239,10 @@ def _check_model_source(session: Session, project_id: str, source: ModelDataSour
                           code="missing_required_parameter")
     if source.input_messages.type == "template":
         for i, message in enumerate(source.input_messages.template):
-            texts = [message.content] if isinstance(message.content, str) else \
-                [part.get("text", "") for part in message.content if isinstance(part, dict)]
-            for text in texts:
-                try:
-                    check_template(text)
-                except ValueError as exc:
-                    raise bad_request(str(exc), param=f"data_source.input_messages.template[{i}].content") from None
+            try:
+                check_template(content_text(message.content))
+            except ValueError as exc:
+                raise bad_request(str(exc), param=f"data_source.input_messages.template[{i}].content") from None
     elif not source.input_messages.item_reference.startswith("item."):
         raise bad_request("item_reference must name a field of the item, e.g. 'item.messages'.",
                           param="data_source.input_messages.item_reference")

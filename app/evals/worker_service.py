@@ -10,11 +10,11 @@ from agent_rft.ids import new_id
 from app.core.config import Settings
 from app.core.crypto import secret_box
 from app.core.db import storable_json, unix, utcnow
-from app.core.lifecycle import claim_run, finishing_run, leased_run, locked_run
-from app.core.worker_schemas import UNEXPLAINED_FAILURE, HeartbeatResponse
+from app.core.lifecycle import claim_run, end_run, leased_run, locked_run
+from app.core.worker_schemas import HeartbeatResponse
 from app.evals import service
 from app.evals.models import Eval, EvalOutputItem, EvalRun
-from app.evals.state import RunStatus, transition
+from app.evals.state import RUN_STATES, RunStatus, transition
 from app.evals.worker_schemas import (
     ClaimedRun,
     OutputItemsPush,
@@ -83,13 +83,7 @@ def push_items(*, session: Session, run_id: str, body: OutputItemsPush) -> Outpu
 
 
 def finish(*, session: Session, run_id: str, body: RunFinishPush) -> RunFinishResult:
-    run, retried = finishing_run(session, EvalRun, run_id, body.lease_id)
-    if retried:
-        return RunFinishResult(status=run.status)
-    if run.status == S.RUNNING.value:
-        target = S(body.status)
-        error = (body.error.model_dump() if body.error else UNEXPLAINED_FAILURE) if target == S.FAILED else None
-        transition(session, run, target, error=error)
-    service.refresh_result(session, run)
-    run.release_lease(remember=True)
-    return RunFinishResult(status=run.status)
+    status = end_run(session, EvalRun, run_id, body.lease_id, status=body.status,
+                     error=body.error.model_dump() if body.error else None, states=RUN_STATES,
+                     refresh=lambda row: service.refresh_result(session, row))
+    return RunFinishResult(status=status)

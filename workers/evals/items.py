@@ -18,14 +18,14 @@ from jsonschema.validators import validator_for
 
 from agent_rft.graders.batch import BatchGrade, grade_many
 from agent_rft.graders.core import GraderContext, Sample
-from agent_rft.graders.templating import render, resolve
+from agent_rft.graders.schemas import split_pass_threshold
+from agent_rft.graders.templating import content_text, render, resolve
 from workers.engine.grading import load_grader
 from workers.engine.rollout import OPENAI_FINISH_REASONS, EngineConfig, RolloutRecord, RolloutSpec
 from workers.engine.toolcalls import ToolSchema
 from workers.training.data import job_tool_schemas, rollout_seed
 
 PASS_THRESHOLD = 0.5  # a score at or above this passes when the criterion says nothing else
-OWN_THRESHOLD = {"text_similarity", "numeric_match", "score_model", "endpoint"}  # graders that decide `passed`
 
 
 @dataclass
@@ -98,19 +98,13 @@ def item_problem(item: Item, schema: dict[str, Any], *, needs_sample: bool) -> s
     return None
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
-
-
 def input_messages(data_source: dict[str, Any], item: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation the model answers; ValueError when the item does not fit the template."""
     spec = data_source["input_messages"]
     if spec["type"] == "template":
         empty = Sample()
         return [{"role": "system" if m["role"] == "developer" else m["role"],
-                 "content": render(_text(m["content"]), empty, item)} for m in spec["template"]]
+                 "content": render(content_text(m["content"]), empty, item)} for m in spec["template"]]
     value = resolve(spec["item_reference"], Sample(), item)
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -153,12 +147,7 @@ def spec_for_item(data_source: dict[str, Any], item: Item, sample_index: int) ->
 
 def criteria_graders(criteria: list[dict[str, Any]]) -> list[tuple[Any, float | None]]:
     """Each criterion's grader config and the pass_threshold it carries beside a grader type that has none."""
-    graders = []
-    for criterion in criteria:
-        body = dict(criterion)
-        threshold = body.pop("pass_threshold", None) if body.get("type") not in OWN_THRESHOLD else None
-        graders.append((load_grader(body), threshold))
-    return graders
+    return [(load_grader(body), threshold) for body, threshold in map(split_pass_threshold, criteria)]
 
 
 async def grade_samples(graders: list[tuple[Any, float | None]], ctx: GraderContext,
@@ -182,7 +171,7 @@ def _sample_text(sample: dict[str, Any]) -> dict[str, Any]:
     choices = sample.get("choices") or []
     text = (choices[0].get("message") or {}).get("content") if choices and isinstance(choices[0], dict) else None
     if text is None and isinstance(sample.get("output"), list) and sample["output"]:
-        text = _text((sample["output"][-1] or {}).get("content"))
+        text = content_text((sample["output"][-1] or {}).get("content"))
     return {**sample, "output_text": text or ""}
 
 
@@ -226,7 +215,7 @@ def _openai_sample(graded: Graded, record: RolloutRecord | None, data_source: di
     params = data_source.get("sampling_params") or {}
     first_reply = next((i for i, m in enumerate(record.messages) if m.get("role") == "assistant"), len(record.messages))
     return {
-        "input": [{"role": m["role"], "content": _text(m.get("content"))} for m in record.messages[:first_reply]],
+        "input": [{"role": m["role"], "content": content_text(m.get("content"))} for m in record.messages[:first_reply]],
         "output": [{"role": "assistant", "content": record.final_answer}],
         "finish_reason": OPENAI_FINISH_REASONS.get(record.finish_reason, "stop"), "model": model,
         "usage": {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
