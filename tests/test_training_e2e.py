@@ -271,8 +271,9 @@ def test_pause_and_resume_keep_one_worker_on_the_job_and_count_each_step_once(tr
         assert_each_step_once(sdk, pg_url, job_id)
         messages = [e.message for e in sdk.fine_tuning.jobs.list_events(job_id, limit=100)]
     starts = [m for m in messages if m.startswith("Job started on worker")]
-    assert not [m for m in messages if "takes over" in m], messages
+    history = "\n".join(reversed(messages))  # every event, oldest first: pytest would cut a list's repr short
+    assert not [m for m in messages if "takes over" in m], history
     if any(m.endswith("keeps running it.") for m in messages):  # the quick pause never reached the worker
-        assert len(starts) == 2, messages
+        assert len(starts) == 2, history
     else:  # rare: a heartbeat fell between the two calls; the worker stopped and the job was re-queued
-        assert any("stopped for a pause that was withdrawn" in m for m in messages) and len(starts) == 3, messages
+        assert any("stopped for a pause that was withdrawn" in m for m in messages) and len(starts) == 3, history
