@@ -18,6 +18,7 @@ Split = Literal["train", "valid"]
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOL_TIMEOUT_S = 600.0  # OpenAI's documented ceiling for one tool call
 MAX_TOOL_CACHE_TTL_S = 30 * 86400.0
+MAX_STALENESS = 1  # policy versions the sampling policy may lag the updated one (x_open_model.max_staleness)
 
 
 def auto_or(kind: type, low: float, high: float, *, low_open: bool = False) -> Any:
@@ -172,10 +173,29 @@ class OpenModelOptions(ModelOptions):
                                         "p_sampler, cap), correcting the sampler's numerical difference (another "
                                         "engine, another precision; see train.logprob_mismatch). 2 is common with "
                                         "vLLM sampling. Default: off (the ratio is against the sampler's log-probs).")
+    max_staleness: int = Field(
+        0, ge=0, description="How many policy versions the sampling policy may lag the one being updated. 0: "
+                             "each step samples, grades, then updates (synchronous). 1: the next step's rollouts "
+                             "are sampled and graded while this step updates, so slow tools and the update stop "
+                             "waiting for each other; each turn records the version that sampled it, and the "
+                             "update corrects for the lag by importance sampling (importance_sampling_cap, 2 "
+                             "unless set). Larger values are refused (docs/training.md).")
+    refill_zero_spread: bool = Field(
+        False, description="Groups without a reward spread teach nothing: sample more prompts until the step "
+                           "holds batch_size groups with a spread, drawing at most 4 × batch_size prompts; the "
+                           "extra prompts come from the data stream, so an epoch ends sooner.")
     sampler: Literal["auto", "engine", "vllm"] = Field(
         "auto", description="What samples the rollouts: the worker's in-process engine, or the deployment's vLLM "
                             "servers (AGENT_RFT_VLLM_URLS; LoRA only). auto: vLLM where the worker has servers and "
                             "training_mode is lora, else the engine (docs/vllm.md).")
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _one_step_of_lag_at_most(cls, value: int) -> int:
+        if value > MAX_STALENESS:
+            raise ValueError("must be 0 or 1: with one step sampled ahead, sampling and the update already run "
+                             "side by side, and a longer lag only trains on older samples")
+        return value
 
     @model_validator(mode="after")
     def _vllm_samples_lora_only(self) -> "OpenModelOptions":

@@ -325,8 +325,14 @@ def test_two_step_run_reports_through_the_hooks_in_order(tmp_path, tools_url, ta
     assert metrics["tools"]["rollouts"] == 8 and "finish_reasons" in metrics["tools"]
     train_block = metrics["train"]
     assert set(train_block) == {"loss", "kl", "grad_norm", "logprob_mismatch", "clip_fraction", "learning_rate",
-                                "frac_reward_zero_std", "rollouts_used", "rollouts_excluded", "policy_version"}
+                                "frac_reward_zero_std", "rollouts_used", "rollouts_excluded", "policy_version",
+                                "policy_versions", "staleness_mean", "staleness_max", "importance_clip_fraction",
+                                "prompts_drawn", "sampled_ahead"}
     assert train_block["policy_version"] == 0  # step 1 was sampled before any update
+    # Synchronous steps: every turn sampled by the policy the update starts from; no correction.
+    assert [(m["train"]["policy_versions"], m["train"]["staleness_max"]) for m in hooks.metrics] == [([0], 0), ([1], 0)]
+    assert train_block["importance_clip_fraction"] is None and train_block["prompts_drawn"] == 2
+    assert not train_block["sampled_ahead"]
     assert train_block["learning_rate"] == cfg.learning_rate and train_block["rollouts_excluded"] == 0
     for step_metrics, step_records in zip(hooks.metrics, hooks.train_records):  # groups = consecutive records
         groups = [[r["reward"] for r in step_records[i:i + 4]] for i in range(0, 8, 4)]
@@ -412,10 +418,13 @@ def test_bfloat16_lora_keeps_float32_adapters_and_measures_the_sampler_trainer_m
 # --- pause, resume, cancel --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_pause_then_resume_ends_with_exactly_the_weights_of_an_uninterrupted_run(tmp_path, tools_url, mode):
+@pytest.mark.parametrize(("mode", "max_staleness"), [("lora", 0), ("full", 0), ("lora", 1), ("full", 1)])
+def test_pause_then_resume_ends_with_exactly_the_weights_of_an_uninterrupted_run(tmp_path, tools_url, mode,
+                                                                                  max_staleness):
+    """Also while the next step is sampled ahead (max_staleness 1): the pause gives up the batch
+    being sampled, and the resumed run samples it again on the same lagged policy."""
     cfg = config(training_mode=mode, n_epochs=3, batch_size=2, group_size=8, eval_interval=2,
-                 kl_coef=0.05, learning_rate=3e-3 if mode == "lora" else 1e-4)
+                 kl_coef=0.05, learning_rate=3e-3 if mode == "lora" else 1e-4, max_staleness=max_staleness)
     data = rows(2, "x")
     straight = RecordingHooks()
     outcome, uninterrupted = train(tmp_path / "straight", tools_url, cfg, data, straight)
@@ -435,6 +444,8 @@ def test_pause_then_resume_ends_with_exactly_the_weights_of_an_uninterrupted_run
     assert expected.keys() == got.keys() and expected
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     assert [m["scores"] for m in second.metrics] == [m["scores"] for m in straight.metrics[1:]]
+    assert [m["train"]["policy_versions"] for m in second.metrics] == \
+           [m["train"]["policy_versions"] for m in straight.metrics[1:]]
 
 
 def test_resume_refuses_a_state_from_a_different_configuration(tmp_path, tools_url):
@@ -447,10 +458,11 @@ def test_resume_refuses_a_state_from_a_different_configuration(tmp_path, tools_u
     assert hooks.events[-1][0] == "error"
 
 
-def test_a_worker_that_dies_mid_step_resumes_from_the_last_saved_state(tmp_path, tools_url):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_worker_that_dies_mid_step_resumes_from_the_last_saved_state(tmp_path, tools_url, max_staleness):
     """The state is saved after every step: a worker killed during step 2 (here: its reporting
-    channel dies in on_step) loses only that unfinished step, and the resumed run ends with the
-    weights of an uninterrupted one."""
+    channel dies in on_step, while step 3 is sampled ahead at max_staleness 1) loses only that
+    unfinished step, and the resumed run ends with the weights of an uninterrupted one."""
 
     class DiesInStepTwo(RecordingHooks):
         async def on_step(self, step: int, metrics: dict, train_records: list[dict]) -> None:
@@ -458,7 +470,7 @@ def test_a_worker_that_dies_mid_step_resumes_from_the_last_saved_state(tmp_path,
                 raise ConnectionError("worker lost its connection")
             await super().on_step(step, metrics, train_records)
 
-    cfg = config(n_epochs=3, batch_size=2, group_size=8, eval_interval=10)
+    cfg = config(n_epochs=3, batch_size=2, group_size=8, eval_interval=10, max_staleness=max_staleness)
     _, uninterrupted = train(tmp_path / "straight", tools_url, cfg, rows(2, "x"), RecordingHooks())
     crashed, _ = train(tmp_path / "crash", tools_url, cfg, rows(2, "x"), DiesInStepTwo())
     assert crashed.status == "failed" and crashed.completed_steps == 1

@@ -75,6 +75,7 @@ class _Batcher:  # the in-process SamplingSession
     kept across its tool calls within `kv_cache_mb`; over that, a turn re-prefills its context."""
 
     def __init__(self, sampler: InProcessSampler) -> None:
+        self.sampler = sampler  # its policy_version: the weights do not change while a session runs
         self.model, self.pad_token_id, self.decode = sampler.model, sampler.pad_token_id, sampler.decode
         self.config, self.executor = sampler.config, sampler.executor
         self.pending: list[tuple[GenerationRequest, _Turn]] = []
@@ -111,7 +112,9 @@ class _Batcher:  # the in-process SamplingSession
         with self.lock:
             self.pending.append((request, _Turn(future, on_token)))
         self.wake.set()
-        return await future
+        output = await future
+        output.policy_version = self.sampler.policy_version
+        return output
 
     def close(self) -> None:
         """The run is over: the generation thread stops at its next step and `run` returns."""

@@ -96,6 +96,7 @@ class RolloutRecord:
     completion_tokens: int = 0
     tool_output_tokens: int = 0
     turns: int = 0
+    policy_versions: list[int] = field(default_factory=list)  # of the policy that sampled each turn, in order
     parse_errors: int = 0
     wall_time_s: float = 0.0
     finish_reason: str = "answered"
@@ -316,6 +317,8 @@ class _Episode:
         if request.constraint is not None:
             self._keep_masks(len(record.token_ids), output.token_ids)
         self._append(output.token_ids, sampled=True, logprobs=output.logprobs)
+        if output.policy_version is not None:
+            record.policy_versions.append(output.policy_version)
         record.completion_tokens += len(output.token_ids)
         if output.finish != "stop" and len(record.token_ids) >= self.engine.max_context:
             self._finish("truncated")

@@ -68,6 +68,7 @@ class GenerationOutput:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"  # "stop" (an end-of-turn token was sampled) or "length"
     cache: CacheHandle | None = None  # when the request asked for it: context + token_ids[:-1]
+    policy_version: int | None = None  # of the policy that sampled this turn (training samplers set it)
 
 
 class SamplingSession(Protocol):

@@ -16,7 +16,10 @@ a hang (every request has a timeout).
 
 Policies: after each optimizer step the trainer saves the LoRA adapter to a new directory and
 `publish_policy` loads it on every server under a new name (`<prefix>-v<version>`), then unloads
-the previous one; a new name per version avoids reloading a name whose weights vLLM has cached.
+the previous one once no request of it is in flight; a new name per version avoids reloading a
+name whose weights vLLM has cached. A training session samples each turn on the newest policy
+published when the turn starts, so when publishing goes on while a step samples (max_staleness 1)
+a rollout's turns may span versions; each turn's output says which.
 
 Serving (workers/inference/vllm_backend.py) samples through the same sessions, with the request's
 model (an adapter loaded on demand with `load_adapter`) and sampling settings, and streams: with
@@ -29,7 +32,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -102,6 +105,8 @@ class VLLMSampler:
         self.failovers: list[Failover] = []  # servers that failed a request, for the step's events
         self.publish_s: list[float] = []  # how long each publish_policy took (load the new adapter, drop the old)
         self.adapters: set[str] = set()  # loaded with load_adapter (serving), never unloaded: vLLM's LRU evicts
+        self.sampling: Counter[str] = Counter()  # requests in flight per policy adapter
+        self.retired: list[str] = []  # older policy adapters to unload once no request of theirs is in flight
         self._adapter_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @classmethod
@@ -191,10 +196,23 @@ class VLLMSampler:
                                                                             "lora_path": str(adapter_dir)})
             self.served_model, self.policy_version = name, version
             if previous != self.base_model:
-                for server in self.servers:
-                    await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": previous},
-                                             missing_ok=True)
+                self.retired.append(previous)
+            await self._unload_idle(http)
         self.publish_s.append(time.perf_counter() - started)
+
+    async def _unload_idle(self, http: httpx.AsyncClient) -> None:
+        """Unload the retired policies that no request samples any more (an in-flight turn keeps its
+        adapter until the next publish)."""
+        idle = [name for name in self.retired if not self.sampling[name]]
+        for name in idle:
+            self.retired.remove(name)
+            for server in self.servers:
+                await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": name}, missing_ok=True)
+
+    def loaded_policies(self) -> list[str]:
+        """The policy adapters this sampler has on the servers: the served one and those still retiring."""
+        served = [self.served_model] if self.served_model != self.base_model else []
+        return [*self.retired, *served]
 
     async def load_adapter(self, name: str, adapter_dir: Path) -> None:
         """Make the LoRA adapter in `adapter_dir` servable as `name` on every server (once; a server
@@ -215,14 +233,16 @@ class VLLMSampler:
         self.adapters.discard(name)
 
     async def release(self) -> None:
-        """The run is over: unload its adapter from every server (each holds a bounded number)."""
-        if self.served_model == self.base_model:
+        """The run is over: unload its adapters from every server (each holds a bounded number)."""
+        doomed = self.loaded_policies()
+        if not doomed:
             return
         async with self._client() as http:
-            for server in self.servers:
-                await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": self.served_model},
-                                         missing_ok=True)
-        self.served_model = self.base_model
+            for name in doomed:
+                for server in self.servers:
+                    await self._adapter_call(http, server, "unload_lora_adapter", {"lora_name": name},
+                                             missing_ok=True)
+        self.served_model, self.retired = self.base_model, []
 
     async def _adapter_call(self, http: httpx.AsyncClient, server: _Server, action: str, body: dict[str, Any],
                             *, missing_ok: bool = False, errors_rest: bool = True) -> None:
@@ -250,9 +270,9 @@ class VLLMSampler:
     @asynccontextmanager
     async def session(self, *, model: str | None = None) -> AsyncIterator[_VLLMSession]:
         """A run of requests with the job's sampling settings (a request may bring its own); by
-        default on the current policy, else on `model` (the base or an adapter loaded with load_adapter)."""
-        sampling = {"model": model or self.served_model, "temperature": self.config.temperature,
-                    "top_p": self.config.top_p}
+        default each turn on the newest policy, else on `model` (the base or an adapter loaded with
+        load_adapter)."""
+        sampling = {"model": model, "temperature": self.config.temperature, "top_p": self.config.top_p}
         async with self._client() as http:
             yield _VLLMSession(self, http, sampling)
 
@@ -296,13 +316,19 @@ class _VLLMSession:
     async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> GenerationOutput:
         """One turn; with `on_token`, streamed, each sampled id handed to it as it arrives (a turn
         is moved to another server only before its first token)."""
-        body = self.sampler.completion_body(request, self.sampling)
-        attempts = 2 * len(self.sampler.servers) + 1  # every server twice, and one more
+        sampler, version = self.sampler, None
+        model = self.sampling["model"]
+        if model is None:  # the training policy: the newest one now, kept loaded until this turn is done
+            model, version = sampler.served_model, sampler.policy_version
+        body = sampler.completion_body(request, {**self.sampling, "model": model})
+        attempts = 2 * len(sampler.servers) + 1  # every server twice, and one more
         policy = async_retrying(attempts=attempts, base_s=0.2, max_s=2.0, retry=retry_transient_http)
         self._begin()
+        sampler.sampling[model] += 1
         try:
             answer = await policy(self._attempt, body, request.affinity, on_token)
         finally:
+            sampler.sampling[model] -= 1
             self._end()
         if isinstance(answer, httpx.Response):
             if not answer.is_success:
@@ -310,6 +336,7 @@ class _VLLMSession:
                                 status=answer.status_code)
             answer = _output(answer.json())
         self.prefill_tokens += len(request.context_ids)
+        answer.policy_version = version
         return answer
 
     async def _attempt(self, body: dict[str, Any], affinity: str | None,

@@ -161,6 +161,14 @@ class TrainingRun:
     async def _before_steps(self) -> None:
         """Called once after setup (and a restored state), before the first step this run trains."""
 
+    async def _after_steps(self) -> None:
+        """Called once when this run stops training, whatever the outcome: work the method started
+        ahead of the next step (and its cores, tools and memory) is given up."""
+
+    def _extra_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Tensors besides the trained weights that a resumed run needs, saved with the state by name."""
+        return {}
+
     # -- the run and its outcomes ----------------------------------------------------------------
 
     async def run(self) -> TrainingOutcome:
@@ -168,7 +176,13 @@ class TrainingRun:
         every failure is an outcome with an error code, announced by an error event. A hook's
         RunInterrupted passes through."""
         try:
-            return await self._run()
+            return await self._run_and_report()
+        finally:
+            await self._after_steps()
+
+    async def _run_and_report(self) -> TrainingOutcome:
+        try:
+            return await self._train()
         except RunInterrupted:
             raise
         except RankLost as lost:
@@ -188,7 +202,7 @@ class TrainingRun:
             log.exception("training failed")
             return await self._failed("training_error", f"{type(exc).__name__}: {exc}", {})
 
-    async def _run(self) -> TrainingOutcome:
+    async def _train(self) -> TrainingOutcome:
         await asyncio.to_thread(self._setup)
         await asyncio.to_thread(self.group.broadcast_parameters, self.model)  # the same start on every rank
         await self._announce_start()
@@ -292,7 +306,7 @@ class TrainingRun:
 
     async def _save_state(self) -> None:
         path = await asyncio.to_thread(save_training_state, self.state_path, model=self.model,
-                                       optimizer=self.optimizer, progress=self.progress)
+                                       optimizer=self.optimizer, progress=self.progress, extra=self._extra_state())
         await self.hooks.on_state_saved(self.progress.step, path, self.progress.trained_tokens)
 
 

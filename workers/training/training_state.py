@@ -7,6 +7,8 @@ A state directory holds
   in full training);
 - `optimizer.pt`: the optimizer's state dict (AdamW moments and step counts);
 - `rng.pt`: the RNG states of Python's `random`, torch on the CPU and every CUDA device;
+- `<name>.safetensors` for each extra set of tensors a method keeps (the reinforcement trainer's
+  lagged sampling policy, when its sampling runs a step ahead);
 - `state.json`, written last: step, trained tokens, data position (epoch, index in the epoch,
   the epoch's permutation) and the run's fingerprint (options that must not change on resume).
 
@@ -80,7 +82,7 @@ def restore_rng(states: dict[str, Any]) -> None:
 
 
 def save_training_state(target: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        progress: TrainingProgress) -> Path:
+                        progress: TrainingProgress, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write the state into `target` atomically (see the module docstring); returns `target`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +91,8 @@ def save_training_state(target: Path, *, model: torch.nn.Module, optimizer: torc
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         save_file(trainable_state(model), str(tmp / WEIGHTS_FILE))
+        for name, tensors in (extra or {}).items():
+            save_file({key: t.detach().contiguous() for key, t in tensors.items()}, str(tmp / f"{name}.safetensors"))
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         torch.save(capture_rng(), tmp / RNG_FILE)
         _write_synced(tmp / STATE_FILE, json.dumps({"format": STATE_FORMAT, **asdict(progress)}))
@@ -141,6 +145,13 @@ def load_training_state(target: Path, *, model: torch.nn.Module, optimizer: torc
     optimizer.load_state_dict(torch.load(found / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     restore_rng(torch.load(found / RNG_FILE, map_location="cpu", weights_only=True))
     return progress
+
+
+def load_extra_tensors(target: Path, name: str) -> dict[str, torch.Tensor] | None:
+    """The extra tensors `name` saved with the state at `target` (on the CPU); None where it has none."""
+    found = find_saved_state(target)
+    path = found / f"{name}.safetensors" if found is not None else None
+    return load_file(str(path)) if path is not None and path.is_file() else None
 
 
 def _read_progress(directory: Path) -> TrainingProgress:

@@ -25,6 +25,9 @@ AUTO_MAX_EVAL_SAMPLES = 16
 # learning_rate = learning_rate_multiplier × base rate. LoRA wants ~10× the rate of full
 # fine-tuning (Schulman et al., "LoRA Without Regret", 2025); 1e-6 is the usual full-RL rate.
 BASE_LEARNING_RATE = {"lora": 1e-5, "full": 1e-6}
+# The importance-sampling cap of a run whose sampling policy lags (max_staleness >= 1) and whose
+# job sets none: the usual value for truncated importance sampling.
+LAGGED_IMPORTANCE_CAP = 2.0
 
 
 @dataclass
@@ -49,6 +52,8 @@ class TrainingConfig:
     max_grader_failure_rate: float = 0.5
     micro_batch_tokens: int = 2048  # padded tokens per forward/backward; gradients are accumulated
     state_interval: int = 1  # save the resumable state every this many steps (and always on pause)
+    max_staleness: int = 0  # 1: the next step is sampled while this one updates (x_open_model.max_staleness)
+    refill_zero_spread: bool = False  # draw more prompts until batch_size groups have a reward spread
 
     def validate(self) -> None:
         """Raise ValueError naming the first option out of range."""
@@ -66,6 +71,8 @@ class TrainingConfig:
             raise ValueError(f"training_mode must be 'lora' or 'full', got {self.training_mode!r}")
         if not (self.learning_rate > 0 and self.max_grad_norm > 0 and self.clip_epsilon > 0 and self.kl_coef >= 0):
             raise ValueError("learning_rate, max_grad_norm and clip_epsilon must be positive and kl_coef non-negative")
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness!r}")
         for name in ("max_tool_failure_rate", "max_grader_failure_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)!r}")
@@ -101,7 +108,8 @@ def resolve_hyperparameters(
         learning_rate=options.learning_rate or lr_multiplier * BASE_LEARNING_RATE[options.training_mode],
         eval_interval=eval_interval,
         eval_samples=eval_samples, loss=options.loss, kl_coef=options.kl_coef, clip_epsilon=options.clip_epsilon,
-        importance_cap=options.importance_sampling_cap,
+        importance_cap=options.importance_sampling_cap or (LAGGED_IMPORTANCE_CAP if options.max_staleness else None),
+        max_staleness=options.max_staleness, refill_zero_spread=options.refill_zero_spread,
         training_mode=options.training_mode, lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
         engine=engine, seed=seed,
     )

@@ -24,6 +24,12 @@ class SamplingCost:
     def of(cls, engine: Any) -> SamplingCost:
         return cls(dict(engine.generation_timings), engine.prefill_tokens)
 
+    def plus(self, other: SamplingCost) -> SamplingCost:
+        """Two runs' costs together (a step that drew more prompts ran the engine again)."""
+        timings = {key: self.timings.get(key, 0.0) + other.timings.get(key, 0.0)
+                   for key in {*self.timings, *other.timings}}
+        return SamplingCost(timings, self.prefill_tokens + other.prefill_tokens)
+
 
 @dataclass
 class GraderLoad:
@@ -59,16 +65,34 @@ class StepClock:
         now = time.perf_counter()
         self.seconds[phase], self.last = now - self.last, now
 
-    def report(self, sampling: SamplingCost, update: UpdateStats) -> dict[str, dict[str, float]]:
+    def since_last(self) -> float:
+        return time.perf_counter() - self.last
+
+    def laps(self, phases: dict[str, float]) -> None:
+        """Phases that end now, timed by whoever ran them (a step's sampling and its grading)."""
+        self.seconds.update(phases)
+        self.last = time.perf_counter()
+
+    def report(self, sampling: SamplingCost, update: UpdateStats,
+               ahead: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+        """`ahead`: the sampling and grading seconds of a batch sampled while the previous step
+        updated; the step itself only waited for what was left of them (its `sampling`)."""
         step = {**self.seconds, "full_iteration": self.last - self.started}
-        return {"step": step, "breakdown": step_breakdown(step, sampling.timings, update)}
+        report = {"step": step, "breakdown": step_breakdown(step, {} if ahead else sampling.timings, update)}
+        if ahead:
+            report["ahead"] = {**ahead, **{k.removesuffix("_s"): v for k, v in sampling.timings.items()}}
+            report["breakdown"]["waiting_for_batch_ahead"] = report["breakdown"].pop("tool_wait_and_other")
+            for part in ("prefill", "decode"):
+                report["breakdown"].pop(part)
+        return report
 
 
 def step_breakdown(timing: dict[str, float], generation: dict[str, float], update: UpdateStats) -> dict[str, float]:
     """A step's seconds split where they went; the parts add up to the step. Sampling: prefill (the
     first forward of each generation batch), decode (every later forward and its sampling), and the
     rest, the wall time the model sat idle (tool calls, batching waits, tokenizing). The update:
-    forward, backward, and the rest (optimizer step, collation)."""
+    forward, backward, and the rest (optimizer step, collation). A step whose batch was sampled
+    ahead only waited for it: its sampling is that wait (StepClock.report)."""
     prefill, decode = generation.get("prefill_s", 0.0), generation.get("decode_s", 0.0)
     return {
         "prefill": prefill, "decode": decode, "tool_wait_and_other": max(0.0, timing["sampling"] - prefill - decode),
@@ -76,6 +100,18 @@ def step_breakdown(timing: dict[str, float], generation: dict[str, float], updat
         "optimizer_and_other": max(0.0, timing["training"] - update.forward_s - update.backward_s),
         "eval": timing["eval"],
     }
+
+
+def staleness(records: list[Any], *, updated_version: int) -> dict[str, Any]:
+    """How far the policies that sampled the step's turns lag the one its update starts from
+    (`updated_version`): per turn, in versions."""
+    versions = [v for record in records for v in record.policy_versions]
+    if not versions:
+        return {"policy_version": updated_version, "policy_versions": [], "staleness_mean": None,
+                "staleness_max": None}
+    lags = [updated_version - v for v in versions]
+    return {"policy_version": min(versions), "policy_versions": sorted(set(versions)),
+            "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags)}
 
 
 def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], stats: UpdateStats, n_used: int,
@@ -106,6 +142,7 @@ def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], st
         "graders": graders or {},
         "train": {"loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm,
                   "logprob_mismatch": stats.logprob_mismatch, "clip_fraction": stats.clip_fraction,
+                  "importance_clip_fraction": stats.importance_clip_fraction,
                   "learning_rate": learning_rate,
                   "frac_reward_zero_std": zero_spread_groups / n_groups,
                   "rollouts_used": n_used,

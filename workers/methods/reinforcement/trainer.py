@@ -2,11 +2,15 @@
 customer's tools, grade them, and update the policy with group-relative advantages. The loop
 reads top to bottom, one step at a time (`Trainer._train_step`):
 
-1. batch: the next `batch_size` rows of the data stream (workers/training/data.py);
-2. rollouts: `group_size` per row, all in ONE run of the rollout engine (workers/engine/rollout.py);
-3. grade: every rollout that did not end in a tool failure (workers/engine/grading.py); a step where
-   the tool-failure or grader-failure rate exceeds its threshold fails the job;
-4. advantages per group; groups without reward spread are skipped;
+1. the batch (`_sample_batch`): the next `batch_size` rows of the data stream
+   (workers/training/data.py), `group_size` rollouts per row in ONE run of the rollout engine
+   (workers/engine/rollout.py), each graded unless it ended in a tool failure
+   (workers/engine/grading.py); with `refill_zero_spread`, more rows until `batch_size` groups have a
+   reward spread. With `max_staleness` 1 this step's batch was sampled while the previous step
+   updated (lookahead.py);
+2. a step where the tool-failure or grader-failure rate exceeds its threshold fails the job;
+3. advantages per group; groups without reward spread are skipped;
+4. with `max_staleness` 1, the next step's batch starts sampling now, on the policy before this update;
 5. update: one optimizer step of the clipped objective (workers/methods/reinforcement/update.py);
 6. eval every `eval_interval` steps and at the end, on a fixed set of validation rows;
 7. the step's metrics (step_report.py), returned with its rollouts: the lifecycle
@@ -22,6 +26,8 @@ import asyncio
 import copy
 import logging
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +43,36 @@ from workers.models.registry import LoadedModel
 from workers.engine.prompting import ChatFormatter
 from workers.engine.rollout import RolloutEngine
 from workers.engine.sampler import Sampler
-from workers.methods.reinforcement.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
+from workers.methods.reinforcement.lookahead import LAGGED_POLICY, LaggedPolicy, Lookahead
+from workers.methods.reinforcement.step_report import GraderLoad, SamplingCost, StepClock, staleness, step_metrics
 from workers.training.training_run import StepFailure, StepResult, TrainingHooks, TrainingRun
-from workers.methods.reinforcement.update import LossSettings, UpdateStats, policy_update, train_sequences
+from workers.methods.reinforcement.update import (
+    LossSettings,
+    UpdateStats,
+    groups_with_spread,
+    policy_update,
+    train_sequences,
+)
 from workers.training.sequences import Collated, TrainSequence, token_logprobs
+from workers.training.training_state import DataPosition, load_extra_tensors
 
 log = logging.getLogger(__name__)
 
 POLICY_DIR = "policy"  # the current LoRA adapter, for a sampler in another process
+REFILL_LIMIT = 4  # refill_zero_spread draws at most this many times batch_size prompts in a step
+
+
+@dataclass
+class SampledBatch:
+    """A step's rollouts, graded: what its update trains on."""
+
+    graded: list[GradedRollout]
+    n_groups: int  # prompts drawn (more than batch_size when refill_zero_spread drew again)
+    next_position: DataPosition  # where the data stream continues after them
+    cost: SamplingCost
+    graders: dict[str, Any]  # the graders' backpressure while grading them
+    seconds: dict[str, float]  # {"sampling", "grading"}: their own time
+    ahead: bool = False  # sampled while the previous step updated
 
 
 class Trainer(TrainingRun):
@@ -60,17 +88,44 @@ class Trainer(TrainingRun):
         self.sampler = sampler  # None: the in-process engine on the model being trained
         self.failovers_reported = 0
         self.continues_adapter = hasattr(loaded.model, "peft_config")  # started from a fine-tuned LoRA model
+        self.lookahead: Lookahead | None = None  # max_staleness 1: the next step's batch, sampled in the background
+        self.lagged: LaggedPolicy | None = None  # what the in-process engine samples ahead on
+        self.ahead_engine: RolloutEngine | None = None
 
     async def _before_steps(self) -> None:
         # The sampler starts from the restored policy, or the fine-tuned adapter the job continues.
         if self.progress.step > 0 or self.continues_adapter:
             await self._publish_policy(self.progress.step)
+        if self.lookahead is not None and self.lagged is not None:
+            await self._restore_lagged_policy()
+
+    async def _restore_lagged_policy(self) -> None:
+        """The in-process copy sampled ahead on: the policy one version behind the restored one,
+        as saved with the state, so that the next step samples what it would have uninterrupted."""
+        saved = load_extra_tensors(self.resume_state, LAGGED_POLICY) if self.resume_state else None
+        if saved is not None and self.progress.step > 0:
+            await asyncio.to_thread(self.lagged.load, saved)
+            await self.ahead_engine.sampler.publish_policy(self.progress.step - 1, None)
+        else:
+            await asyncio.to_thread(self.lagged.refresh, self.model)
+            await self.ahead_engine.sampler.publish_policy(self.progress.step, None)
+
+    async def _after_steps(self) -> None:
+        if self.lookahead is not None:
+            await self.lookahead.stop()
+
+    def _extra_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {LAGGED_POLICY: self.lagged.tensors()} if self.lagged is not None else {}
 
     async def _announce_start(self) -> None:
         c = self.config
         data = {"total_steps": self.total_steps, "batch_size": c.batch_size, "group_size": c.group_size,
                 "n_epochs": c.n_epochs, "learning_rate": c.learning_rate, "loss": c.loss, "kl_coef": c.kl_coef,
                 "training_mode": c.training_mode, "eval_interval": c.eval_interval, "eval_samples": c.eval_samples}
+        if c.max_staleness and self.lookahead is None:
+            await self._event("warn", "max_staleness 1 is off for this job: with several training processes the "
+                                      "in-process engine samples on all of them, between updates. Use a vLLM "
+                                      "sampler to sample while training.")
         if c.engine.temperature <= 0:
             await self._event("warn", "temperature is 0: every rollout of a group is the same, so no group has a "
                               "reward spread and nothing can be learned. Use a temperature around 0.7-1.0.")
@@ -98,9 +153,26 @@ class Trainer(TrainingRun):
         tokenizer = self.loaded.tokenizer
         self.engine = RolloutEngine(self.loaded.model, tokenizer, ChatFormatter(tokenizer), self.tool_client, c.engine,
                                     sampler=self.sampler)
+        self._build_lookahead()
         self.loss_settings = LossSettings(c.loss, c.clip_epsilon, c.kl_coef, c.engine.temperature,
                                           c.engine.max_tokens_per_rollout, importance_cap=c.importance_cap)
         self._restore_progress(self._fingerprint())
+
+    def _build_lookahead(self) -> None:
+        """max_staleness 1: the engine that samples a step ahead: on the vLLM fleet, or in-process on
+        a copy of the policy. Not with several training processes sampling in-process (they sample
+        their shares through the same channel as their updates)."""
+        if not self.config.max_staleness or (self.group.world_size > 1 and not self.engine.sampler.needs_adapter_files):
+            return
+        self.lookahead = Lookahead()
+        tokenizer = self.loaded.tokenizer
+        if self.engine.sampler.needs_adapter_files:
+            model, sampler = self.loaded.model, self.engine.sampler
+        else:
+            self.lagged = LaggedPolicy(self.model)
+            model, sampler = self.lagged.model, None
+        self.ahead_engine = RolloutEngine(model, tokenizer, ChatFormatter(tokenizer), self.tool_client,
+                                          self.config.engine, sampler=sampler)
 
     def _make_reference(self) -> torch.nn.Module | None:
         """The frozen copy of the initial policy for the KL term, only for full training with
@@ -122,36 +194,84 @@ class Trainer(TrainingRun):
 
     async def _train_step(self, step: int) -> StepResult:
         c, clock = self.config, StepClock()
-        rows, next_position = take_batch(self.progress.position, len(self.train_prompts), c.seed, c.batch_size)
-        specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, slot, row, k))
-                 for slot, row in enumerate(rows) for k in range(c.group_size)]
-        records = await self._rollouts(specs, c.group_size)
-        clock.lap("sampling")
-        sampling = SamplingCost.of(self.engine)  # before eval runs the engine again
-        grader_load = GraderLoad.of(self.grader_ctx)
-        graded = await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
-        clock.lap("grading")
-        graders = GraderLoad.of(self.grader_ctx).since(grader_load)
+        batch = await self._batch_for(step)
+        clock.laps({"sampling": clock.since_last(), "grading": 0.0} if batch.ahead else batch.seconds)
+        graded = batch.graded
         self._check_failure_rates(step, graded)
         sequences, zero_spread_groups = train_sequences(graded, c.group_size, c.loss)
+        await self._sample_ahead(step, batch.next_position)  # on the policy this update starts from
         stats = await asyncio.to_thread(self._update, sequences)
-        sampled_with = self.engine.sampler.policy_version
         await self._publish_policy(step)
         clock.lap("training")
         evaluated = self._evaluates_at(step)
         valid = await self._evaluate() if evaluated else None
         clock.lap("eval")
         metrics = step_metrics(step=step, total_steps=self.total_steps, graded=graded, stats=stats,
-                               n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=len(rows),
-                               timing=clock.report(sampling, stats), sampling=sampling, valid=valid,
-                               learning_rate=self.optimizer.param_groups[0]["lr"], graders=graders)
-        metrics["train"]["policy_version"] = sampled_with
+                               n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=batch.n_groups,
+                               timing=clock.report(batch.cost, stats, ahead=batch.seconds if batch.ahead else None),
+                               sampling=batch.cost, valid=valid, learning_rate=self.optimizer.param_groups[0]["lr"],
+                               graders=batch.graders)
+        metrics["train"].update(staleness([g.record for g in graded], updated_version=step - 1),
+                                prompts_drawn=batch.n_groups, sampled_ahead=batch.ahead)
         await self._warn_about_exclusions(step, graded)
         await self._report_failovers(step)
-        return StepResult(metrics, stats.sampled_tokens, next_position, evaluated,
+        return StepResult(metrics, stats.sampled_tokens, batch.next_position, evaluated,
                           train_records=[g.report() for g in graded],
                           valid_records=valid["records"] if valid else None,
                           valid_reward_mean=valid["reward_mean"] if valid else None)
+
+    async def _batch_for(self, step: int) -> SampledBatch:
+        """The step's batch: sampled ahead while the previous step updated, or sampled now."""
+        ahead = await self.lookahead.take(step) if self.lookahead is not None else None
+        if ahead is not None:
+            return ahead
+        engine = self.ahead_engine if self.lagged is not None else self.engine  # the lagged copy: resumed runs
+        return await self._sample_batch(step, self.progress.position, engine)
+
+    async def _sample_ahead(self, step: int, position: DataPosition) -> None:
+        """max_staleness 1: start sampling step + 1 now, before this step's update; in-process, on a
+        copy of the policy this update starts from (version step - 1)."""
+        if self.lookahead is None or step >= self.total_steps:
+            return
+        if self.lagged is not None:
+            await asyncio.to_thread(self.lagged.refresh, self.model)
+            await self.ahead_engine.sampler.publish_policy(step - 1, None)
+        batch = self._sample_batch(step + 1, position, self.ahead_engine)
+        self.lookahead.start(step + 1, _marked_ahead(batch))
+
+    async def _sample_batch(self, step: int, position: DataPosition, engine: RolloutEngine) -> SampledBatch:
+        """`group_size` rollouts for each of the next `batch_size` prompts, graded; with
+        refill_zero_spread, more prompts until `batch_size` groups have a reward spread (at most
+        REFILL_LIMIT × batch_size prompts in all)."""
+        c = self.config
+        graded: list[GradedRollout] = []
+        cost, seconds, wanted = SamplingCost({}, 0), {"sampling": 0.0, "grading": 0.0}, c.batch_size
+        grader_load = GraderLoad.of(self.grader_ctx)
+        while wanted > 0:
+            rows, position = take_batch(position, len(self.train_prompts), c.seed, wanted)
+            first = len(graded) // c.group_size  # the slots of prompts drawn again follow the batch's
+            specs = [spec_for(self.train_prompts[row], rollout_seed(c.seed, "train", step, first + slot, row, k))
+                     for slot, row in enumerate(rows) for k in range(c.group_size)]
+            started = time.perf_counter()
+            records = await self._rollouts(specs, c.group_size, engine)
+            graded_at = time.perf_counter()
+            cost = cost.plus(SamplingCost.of(engine))  # read before eval runs the engine again
+            graded += await grade_rollouts(self.grader, self.grader_ctx, records, [s.item for s in specs])
+            seconds["sampling"] += graded_at - started
+            seconds["grading"] += time.perf_counter() - graded_at
+            wanted = self._prompts_to_refill(graded)
+        graders = GraderLoad.of(self.grader_ctx).since(grader_load)
+        return SampledBatch(graded, len(graded) // c.group_size, position, cost, graders, seconds)
+
+    def _prompts_to_refill(self, graded: list[GradedRollout]) -> int:
+        """How many more prompts the step draws: none unless refill_zero_spread, else those still
+        missing a reward spread, within REFILL_LIMIT × batch_size prompts drawn."""
+        c = self.config
+        if not c.refill_zero_spread:
+            return 0
+        drawn = len(graded) // c.group_size
+        missing = c.batch_size - groups_with_spread(graded, c.group_size)
+        return max(0, min(missing, REFILL_LIMIT * c.batch_size - drawn))
 
     def _check_failure_rates(self, step: int, graded: list[GradedRollout]) -> None:
         """Raise StepFailure when the step's tool-failure or grader-failure rate is over its limit."""
@@ -198,8 +318,9 @@ class Trainer(TrainingRun):
         folder = self.work_dir / POLICY_DIR / f"v{version}"
         await asyncio.to_thread(self.model.save_pretrained, str(folder))
         await sampler.publish_policy(version, folder)
+        kept = {folder.name, f"v{version - 1}"}  # the previous version may still serve a turn sampled ahead
         for old in (self.work_dir / POLICY_DIR).iterdir():  # the servers unloaded the older versions
-            if old != folder:
+            if old.name not in kept:
                 await asyncio.to_thread(shutil.rmtree, old, True)
 
     async def _report_failovers(self, step: int) -> None:
@@ -225,12 +346,14 @@ class Trainer(TrainingRun):
                               n_sequences=n_sequences, sync_gradients=self.group.all_reduce_gradients)
         return self._step_statistics(stats, UpdateStats.merged)
 
-    async def _rollouts(self, specs: list, group_size: int) -> list:
-        """The rollouts of `specs` in order. With several training processes and the in-process
-        engine, each samples a share of whole groups (advantages compare the rollouts of one
-        group); a sampler of its own (vLLM) samples them all."""
-        if self.group.world_size == 1 or self.engine.sampler.needs_adapter_files:
-            return await self.engine.run(specs)
+    async def _rollouts(self, specs: list, group_size: int, engine: RolloutEngine | None = None) -> list:
+        """The rollouts of `specs` in order, on `engine` (default: the one on the trained policy).
+        With several training processes and the in-process engine, each samples a share of whole
+        groups (advantages compare the rollouts of one group); a sampler of its own (vLLM) samples
+        them all."""
+        engine = engine or self.engine
+        if self.group.world_size == 1 or engine.sampler.needs_adapter_files:
+            return await engine.run(specs)
         groups = [specs[i:i + group_size] for i in range(0, len(specs), group_size)]
         parts = [[spec for group in part for spec in group] for part in shares(groups, self.group.world_size)]
         self.group.command("sample_share", parts)
@@ -270,3 +393,9 @@ class Trainer(TrainingRun):
             await self._event("warn", f"Step {step}: {tool + grader} of {len(graded)} rollouts excluded from the "
                               f"update ({tool} tool failures, {grader} grader failures).",
                               {"step": step, "tool_failures": tool, "grader_failures": grader})
+
+
+async def _marked_ahead(sampling: Any) -> SampledBatch:
+    batch = await sampling
+    batch.ahead = True
+    return batch

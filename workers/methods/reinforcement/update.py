@@ -17,6 +17,7 @@ from workers.methods.reinforcement.advantages import (
     clipped_token_objective,
     clipped_tokens,
     group_advantages,
+    has_reward_spread,
     k3_kl,
     sequence_normaliser,
 )
@@ -51,6 +52,10 @@ class UpdateStats:
     # mismatch, larger in bfloat16), and the share of those tokens the clip takes the gradient from.
     logprob_mismatch: float | None = None
     clip_fraction: float | None = None
+    # Truncated importance sampling (importance_cap): the share of sampled tokens whose weight
+    # p_trainer / p_sampler the cap cut, i.e. where the sampler (another engine, or an older policy
+    # version) differs most.
+    importance_clip_fraction: float | None = None
     # Where the update's time went (the step-time breakdown): forward passes (policy and reference,
     # with the loss), backward passes; the rest of the update (optimizer, collation) is the difference.
     forward_s: float = 0.0
@@ -69,17 +74,18 @@ class UpdateStats:
             return sum(v * n for v, n in parts) / weight if weight else None
 
         return cls(sum(s.loss for s in shares), mean("kl"), shares[0].grad_norm, tokens, mean("logprob_mismatch"),
-                   mean("clip_fraction"), max(s.forward_s for s in shares), max(s.backward_s for s in shares))
+                   mean("clip_fraction"), mean("importance_clip_fraction"), max(s.forward_s for s in shares),
+                   max(s.backward_s for s in shares))
 
 
 class UpdateAccumulator:
     """The statistics of one update, summed micro-batch by micro-batch, so that the update's
     loop holds only the math."""
 
-    def __init__(self, clip_epsilon: float) -> None:
-        self.clip_epsilon = clip_epsilon
+    def __init__(self, clip_epsilon: float, importance_cap: float | None = None) -> None:
+        self.clip_epsilon, self.importance_cap = clip_epsilon, importance_cap
         self.loss = self.kl_sum = self.mismatch = self.forward_s = self.backward_s = 0.0
-        self.kl_tokens = self.sampled = self.clipped = 0
+        self.kl_tokens = self.sampled = self.clipped = self.capped = 0
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -95,6 +101,8 @@ class UpdateAccumulator:
         delta = (new_logprobs.detach() - batch.sampling_logprobs)[mask]
         self.mismatch += float(delta.abs().sum())
         self.clipped += clipped_tokens(delta.exp(), batch.advantages.expand_as(mask)[mask], self.clip_epsilon)
+        if self.importance_cap is not None:
+            self.capped += int((delta.exp() > self.importance_cap).sum())
         if kl is not None:
             self.kl_sum += float(kl.detach()[mask].sum())
             self.kl_tokens += int(mask.sum())
@@ -102,7 +110,8 @@ class UpdateAccumulator:
     def result(self, grad_norm: float) -> UpdateStats:
         per_token = (lambda total: total / self.sampled) if self.sampled else (lambda _total: None)
         return UpdateStats(self.loss, self.kl_sum / self.kl_tokens if self.kl_tokens else None, grad_norm,
-                           self.sampled, per_token(self.mismatch), per_token(self.clipped), self.forward_s,
+                           self.sampled, per_token(self.mismatch), per_token(self.clipped),
+                           per_token(self.capped) if self.importance_cap is not None else None, self.forward_s,
                            self.backward_s)
 
 
@@ -151,6 +160,12 @@ def train_sequences(graded: Sequence[GradedRollout], group_size: int, loss: str)
     return sequences, zero_spread
 
 
+def groups_with_spread(graded: Sequence[GradedRollout], group_size: int) -> int:
+    """How many groups (each run of `group_size` rollouts) have a reward spread: those the update learns from."""
+    return sum(1 for start in range(0, len(graded), group_size)
+               if has_reward_spread([g.reward for g in graded[start:start + group_size] if g.reward is not None]))
+
+
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence], *,
                   settings: LossSettings, pad_token_id: int, micro_batch_tokens: int, max_grad_norm: float,
                   reference: ReferenceLogprobs, n_sequences: int | None = None,
@@ -165,7 +180,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequ
         return UpdateStats()
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
-    stats = UpdateAccumulator(settings.clip_epsilon)
+    stats = UpdateAccumulator(settings.clip_epsilon, settings.importance_cap)
     optimizer.zero_grad(set_to_none=True)
     for group in micro_batches(sequences, micro_batch_tokens):
         batch = collate(group, pad_token_id, device)
