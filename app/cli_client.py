@@ -569,7 +569,13 @@ def _format_load(projection: list[dict[str, Any]]) -> list[str]:
                     "peak concurrency"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return ["\nprojected tool load per training step (* = this config):", *table]
+    notes = []
+    if any(p.get("sampling_overlaps_update") for p in projection):
+        notes.append("  sampled ahead (max_staleness 1): the calls come without a pause for the update, and peak "
+                     "concurrency counts an eval's rollouts beside the step's")
+    if any(p.get("prompts_per_step_max", p["batch_size"]) > p["batch_size"] for p in projection):
+        notes.append("  refill_zero_spread: a step may draw more prompts, up to calls_per_step_max calls")
+    return ["\nprojected tool load per training step (* = this config):", *table, *notes]
 
 
 def format_examples(client: openai.OpenAI, diagnostic: dict[str, Any], rollout_ids: list[str],

@@ -33,7 +33,7 @@ def test_create_returns_an_openai_job_and_queues_it(api):
                                   "max_tokens_per_rollout": 2048, "temperature": 1.0, "top_p": 1.0,
                                   "dtype": "auto", "diagnostic": None, "rollout_timeout": None,
                                   "sampler": "auto", "importance_sampling_cap": None,
-                                  "training_processes": None}
+                                  "training_processes": None, "max_staleness": 0, "refill_zero_spread": False}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
 
 
@@ -137,6 +137,12 @@ BAD_BODIES = [
      "method.reinforcement.response_format"),
     (lambda b: b["method"]["reinforcement"].update(response_format={"type": "json_schema", "json_schema": {}}),
      "method.reinforcement.response_format"),
+    (lambda b: b["method"]["reinforcement"]["x_open_model"].update(max_staleness=2),
+     "method.reinforcement.x_open_model.max_staleness"),  # one step of lag at most
+    (lambda b: b["method"]["reinforcement"]["x_open_model"].update(max_staleness=-1),
+     "method.reinforcement.x_open_model.max_staleness"),
+    (lambda b: b["method"]["reinforcement"]["x_open_model"].update(refill_zero_spread="often"),
+     "method.reinforcement.x_open_model.refill_zero_spread"),
     (lambda b: b.update(training_file="file-doesnotexist"), "training_file"),
     (lambda b: b.update(validation_file="file-doesnotexist"), "validation_file"),
     (lambda b: b.pop("model"), "model"),

@@ -166,6 +166,12 @@ def project_load(data: Sequence[Mapping[str, Any]], load_basis: Mapping[str, Any
       rollouts at once, so its calls spread over about one rollout's time), compared with the
       tool's own `rate_limit`: over it, the calls queue and the tool alone takes at least
       calls per step / rate_limit seconds of every step.
+
+    Sampling ahead (`max_staleness` 1), a step's rollouts run while the previous step updates and
+    evaluates: the endpoint sees that rate without a pause for the update, and at an eval step the
+    eval's rollouts sample beside the step's (peak concurrency counts both). With
+    `refill_zero_spread` a step may draw up to `prompts_per_step_factor` times its prompts
+    (`calls_per_step_max`).
     """
     if not load_basis or not data:
         return []
@@ -180,16 +186,20 @@ def project_load(data: Sequence[Mapping[str, Any]], load_basis: Mapping[str, Any
     cap = load_basis.get("tool_max_concurrency")
     limits = load_basis.get("tool_limits") or {}
     hits = _cache_hits(data)
+    overlapped = bool(load_basis.get("max_staleness"))
+    factor = int(load_basis.get("prompts_per_step_factor") or 1)
     projection = []
     for setting in load_basis.get("settings") or []:
         rollouts = int(setting["batch_size"]) * int(setting["group_size"])
+        at_once = rollouts + (int(setting.get("eval_samples") or 0) if overlapped else 0)
         tools = {}
         for name in sorted(calls):
-            demand = rollouts * simultaneous.get(name, 1)
+            demand = at_once * simultaneous.get(name, 1)
             own = limits.get(name) or {}
             tool_cap = own.get("max_concurrency") or cap
             per_step = rollouts * calls[name] / n
             tools[name] = {"calls_per_rollout": calls[name] / n, "calls_per_step": per_step,
+                           "calls_per_step_max": per_step * factor,
                            "max_simultaneous_per_rollout": simultaneous.get(name, 1),
                            "peak_concurrency": min(demand, tool_cap) if isinstance(tool_cap, int) else demand,
                            "peak_concurrency_uncapped": demand, "max_concurrency": tool_cap,
@@ -197,6 +207,8 @@ def project_load(data: Sequence[Mapping[str, Any]], load_basis: Mapping[str, Any
                            **_rate_against_limit(per_step, seconds, own.get("rate_limit"))}
         projection.append({"compute_multiplier": setting["compute_multiplier"], "batch_size": setting["batch_size"],
                            "group_size": setting["group_size"], "rollouts_per_step": rollouts,
+                           "rollouts_at_once": at_once, "prompts_per_step_max": int(setting["batch_size"]) * factor,
+                           "sampling_overlaps_update": overlapped,
                            "configured": bool(setting.get("configured")), "tools": tools})
     return projection
 

@@ -126,3 +126,8 @@ def test_sample_choice_seeds_and_load_basis():
         (0.5, 5, 2, False), (1.0, 5, 4, False), (2.0, 5, 8, False), (3.0, 5, 12, True), (4.0, 5, 16, False),
         (10.0, 5, 40, False)]
     assert basis["n_train"] == 5 and basis["tool_max_concurrency"] == 16
+    assert (basis["max_staleness"], basis["prompts_per_step_factor"]) == (0, 1)
+    assert {s["eval_samples"] for s in basis["settings"]} == {5}  # auto: every training row, as the trainer resolves
+    ahead = load_basis(TrainingOptions.model_validate({"x_open_model": {"max_staleness": 1, "refill_zero_spread": True}}),
+                       n_train=5, seed=0, tool_max_concurrency=16)
+    assert (ahead["max_staleness"], ahead["prompts_per_step_factor"]) == (1, 4)

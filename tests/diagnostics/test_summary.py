@@ -108,13 +108,28 @@ def test_load_projection_formula():
     assert search["calls_per_rollout"] == 1.5 and search["calls_per_step"] == 48
     assert search["max_simultaneous_per_rollout"] == 2
     assert search["peak_concurrency_uncapped"] == 64 and search["peak_concurrency"] == 16
-    assert one["tools"]["cat"] == {"calls_per_rollout": 0.5, "calls_per_step": 16, "max_simultaneous_per_rollout": 1,
+    assert one["tools"]["cat"] == {"calls_per_rollout": 0.5, "calls_per_step": 16, "calls_per_step_max": 16,
+                                   "max_simultaneous_per_rollout": 1,
                                    "peak_concurrency": 16, "peak_concurrency_uncapped": 32, "max_concurrency": 16,
                                    "requests_per_s": 32.0, "rate_limit": None, "throttled": False,
                                    "step_tool_seconds_at_limit": None, "step_seconds_unthrottled": 0.5,
                                    "cache_hit_rate": 0.0, "calls_saved_per_step": 0.0, "endpoint_calls_per_step": 16}
     assert half["tools"]["cat"]["peak_concurrency"] == 16 and half["tools"]["search"]["calls_per_step"] == 24
+    assert not one["sampling_overlaps_update"] and one["rollouts_at_once"] == 32 and one["prompts_per_step_max"] == 8
     assert project_load(data, None) == []
+
+
+def test_the_load_projection_of_a_job_sampling_ahead_with_refills():
+    """max_staleness 1: at an eval step the eval's rollouts sample beside the step ahead's, so the
+    peak counts both; refill_zero_spread: a step may draw up to 4 times its prompts and their calls."""
+    data = [rollout(0, 0, 1.0, calls=[("search", "ok", 1)])["data"], rollout(0, 1, 0.0, calls=[])["data"]]
+    basis = {"tool_max_concurrency": None, "max_staleness": 1, "prompts_per_step_factor": 4, "settings": [
+        {"compute_multiplier": 1.0, "batch_size": 8, "group_size": 4, "eval_samples": 16, "configured": True}]}
+    (projected,) = project_load(data, basis)
+    assert projected["sampling_overlaps_update"] and projected["rollouts_at_once"] == 32 + 16
+    assert projected["prompts_per_step_max"] == 32
+    search = projected["tools"]["search"]
+    assert search["peak_concurrency"] == 48 and search["calls_per_step"] == 16 and search["calls_per_step_max"] == 64
 
 
 def test_the_load_projection_counts_the_calls_the_cache_saves():

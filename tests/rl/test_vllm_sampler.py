@@ -220,3 +220,81 @@ def test_a_server_reporting_raw_logprobs_is_refused():
         sampler = VLLMSampler([f"http://127.0.0.1:{port}"], model=VLLM_MODEL, config=EngineConfig())
         with pytest.raises(VLLMUnavailable, match="--logprobs-mode processed_logprobs"):
             asyncio.run(sampler.check())
+
+
+def test_a_policy_published_while_a_step_samples_serves_the_next_turns_and_the_old_one_retires(vllm_server, smollm2,
+                                                                                               tmp_path):
+    """Sampling a step ahead: a new version published mid-session serves every turn that starts
+    after it (the turns say which version sampled them); the version it replaced stays loaded while
+    a turn of it is in flight and is unloaded at the next publish after; release unloads the rest."""
+    config = EngineConfig(max_tokens_per_turn=8, max_tokens_per_rollout=64, max_episode_steps=3, temperature=1.0)
+    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config, adapter_prefix="ftjob-ahead")
+
+    async def go() -> tuple[list, set[str]]:
+        await sampler.publish_policy(1, adapter(smollm2, tmp_path / "v1", seed=1))
+        async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+            engine = RolloutEngine(smollm2.model, smollm2.tokenizer, ChatFormatter(smollm2.tokenizer), client, config,
+                                   sampler=sampler)
+            specs = [RolloutSpec(i, [{"role": "user", "content": f"Count to {i + 20}."}], [SEARCH], {}, seed=i)
+                     for i in range(4)]
+            sampling = asyncio.create_task(engine.run(specs))
+            await asyncio.sleep(0.3)  # the first turns are in flight on v1
+            await sampler.publish_policy(2, adapter(smollm2, tmp_path / "v2", seed=2))
+            during = served(vllm_server)
+            return await sampling, during
+
+    with tool_server() as (url, _):
+        try:
+            records, during = asyncio.run(go())
+            assert "ftjob-ahead-v2" in during and sampler.policy_version == 2
+            versions = [r.policy_versions for r in records]
+            assert all(len(v) == r.turns and v == sorted(v) and set(v) <= {1, 2} for v, r in zip(versions, records))
+            assert any(1 in v for v in versions), versions  # turns that started before the publish stayed on v1
+            asyncio.run(sampler.publish_policy(3, adapter(smollm2, tmp_path / "v3", seed=3)))
+            names = served(vllm_server)
+            assert "ftjob-ahead-v3" in names and not {"ftjob-ahead-v1", "ftjob-ahead-v2"} & names
+            assert sampler.loaded_policies() == ["ftjob-ahead-v3"]
+        finally:
+            asyncio.run(sampler.release())
+    assert not {name for name in served(vllm_server) if name.startswith("ftjob-ahead")}
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_sampling_ahead_on_vllm_uses_only_the_last_two_versions_and_unloads_the_older(vllm_server,
+                                                                                              tmp_path):
+    """max_staleness 1 on vLLM: step N+1's turns are sampled by versions N-1 and N only (the newest
+    adapter published when each turn starts), so no update is more than one version behind its
+    samples; the adapters older than that are unloaded as training goes."""
+    from agent_rft.graders.core import GraderContext
+    from tests.rl.test_trainer import RecordingHooks, answers_something, config
+    from workers.methods.reinforcement.trainer import Trainer
+
+    cfg = config(batch_size=2, group_size=4, n_epochs=4, eval_interval=10, max_staleness=1, importance_cap=2.0,
+                 engine=EngineConfig(max_tokens_per_turn=8, max_tokens_per_rollout=16, max_episode_steps=1,
+                                     temperature=1.0))
+    sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=cfg.engine, adapter_prefix="ftjob-lagged")
+    hooks = RecordingHooks()
+    questions = [{"messages": [{"role": "user", "content": f"Say a colour, {i}."}]} for i in range(2)]
+
+    async def go():  # noqa: ANN202
+        await sampler.check()
+        async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
+            trainer = Trainer(loaded=load_model(VLLM_MODEL), config=cfg, train_rows=questions, valid_rows=[],
+                              grader=answers_something(), grader_ctx=GraderContext(), tool_client=client,
+                              hooks=hooks, work_dir=tmp_path, job_tools=[], sampler=sampler)
+            return await trainer.run()
+
+    with tool_server() as (url, _):
+        try:
+            outcome = asyncio.run(go())
+            assert outcome.status == "succeeded", hooks.events[-1]
+            names = {name for name in served(vllm_server) if name.startswith("ftjob-lagged")}
+            assert names == set(sampler.loaded_policies()) and "ftjob-lagged-v4" in names
+            assert not names & {"ftjob-lagged-v1", "ftjob-lagged-v2"}  # unloaded while training went on
+        finally:
+            asyncio.run(sampler.release())
+    for step, metrics in enumerate(hooks.metrics, start=1):
+        train = metrics["train"]
+        assert set(train["policy_versions"]) <= {max(0, step - 2), step - 1}, (step, train["policy_versions"])
+        assert train["staleness_max"] <= 1 and train["sampled_ahead"] == (step > 1)
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == ["v3", "v4"]

@@ -120,6 +120,15 @@ CHARTS: tuple[Chart, ...] = (
         Series("frac_reward_zero_std", key="train.frac_reward_zero_std"),
     ), percent=True, help="Groups whose rollouts all scored the same teach nothing; a rising share means "
                           "the task is too easy or too hard for the policy."),
+    Chart("staleness", "Sampling policy lag", "versions", (
+        Series("mean", key="train.staleness_mean"),
+        Series("max", key="train.staleness_max"),
+    ), help="How many optimizer steps the policies that sampled a step's turns lag the one its update starts "
+            "from: 0 for synchronous steps, at most 1 when the next step is sampled during the update "
+            "(x_open_model.max_staleness)."),
+    Chart("prompts-drawn", "Prompts drawn per step", "prompts", (
+        Series("drawn", key="train.prompts_drawn"),
+    ), help="batch_size, or more where refill_zero_spread drew prompts again for groups without a reward spread."),
     Chart("loss", "Loss and KL", "value", (
         Series("loss", key="train.loss"),
         Series("KL", key="train.kl"),

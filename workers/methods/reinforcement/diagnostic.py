@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from app.jobs.schemas import TrainingOptions
 from workers.training.data import Prompt, rollout_seed, spec_for
 from workers.engine.grading import grade_rollouts
-from workers.methods.reinforcement.hyperparameters import resolve_hyperparameters
+from workers.methods.reinforcement.hyperparameters import REFILL_LIMIT, resolve_hyperparameters
 
 # compute_multipliers the tool-load projection covers (the job's own value is added).
 PROJECTED_COMPUTE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 10.0)
@@ -45,11 +45,14 @@ def load_basis(training: TrainingOptions, *, n_train: int, seed: int, tool_max_c
         at = training.model_copy(update={"hyperparameters": hyper.model_copy(update={"compute_multiplier": multiplier})})
         config, _ = resolve_hyperparameters(at, n_train=n_train, n_valid=0, seed=seed)
         settings.append({"compute_multiplier": multiplier, "batch_size": config.batch_size,
-                         "group_size": config.group_size, "configured": multiplier == configured})
+                         "group_size": config.group_size, "eval_samples": config.eval_samples,
+                         "configured": multiplier == configured})
     limits = {t.name: {"rate_limit": t.rate_limit, "max_concurrency": t.max_concurrency} for t in tools
               if t.rate_limit or t.max_concurrency}
+    options = training.x_open_model
     return {"n_train": n_train, "tool_max_concurrency": tool_max_concurrency, "settings": settings,
-            "tool_limits": limits}
+            "tool_limits": limits, "max_staleness": options.max_staleness,
+            "prompts_per_step_factor": REFILL_LIMIT if options.refill_zero_spread else 1}
 
 
 class DiagnosticHooks(Protocol):

@@ -28,6 +28,7 @@ BASE_LEARNING_RATE = {"lora": 1e-5, "full": 1e-6}
 # The importance-sampling cap of a run whose sampling policy lags (max_staleness >= 1) and whose
 # job sets none: the usual value for truncated importance sampling.
 LAGGED_IMPORTANCE_CAP = 2.0
+REFILL_LIMIT = 4  # refill_zero_spread draws at most this many times batch_size prompts in a step
 
 
 @dataclass

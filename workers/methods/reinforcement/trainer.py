@@ -37,7 +37,7 @@ from agent_rft.graders.core import GraderContext
 from workers.training.distributed.group import TrainingGroup, shares
 from workers.training.data import fixed_subset, job_tool_schemas, prompts_from_rows, rollout_seed, spec_for, take_batch
 from workers.engine.grading import GradedRollout, grade_rollouts, load_grader, mean_or_none, sub_reward_means
-from workers.methods.reinforcement.hyperparameters import TrainingConfig
+from workers.methods.reinforcement.hyperparameters import REFILL_LIMIT, TrainingConfig
 from workers.training.data import total_steps_for
 from workers.models.registry import LoadedModel
 from workers.engine.prompting import ChatFormatter
@@ -59,7 +59,6 @@ from workers.training.training_state import DataPosition, load_extra_tensors
 log = logging.getLogger(__name__)
 
 POLICY_DIR = "policy"  # the current LoRA adapter, for a sampler in another process
-REFILL_LIMIT = 4  # refill_zero_spread draws at most this many times batch_size prompts in a step
 
 
 @dataclass
@@ -318,7 +317,8 @@ class Trainer(TrainingRun):
         folder = self.work_dir / POLICY_DIR / f"v{version}"
         await asyncio.to_thread(self.model.save_pretrained, str(folder))
         await sampler.publish_policy(version, folder)
-        kept = {folder.name, f"v{version - 1}"}  # the previous version may still serve a turn sampled ahead
+        # Sampling ahead, a turn may still run on the previous version: the server keeps it until the next publish.
+        kept = {folder.name, f"v{version - 1}"} if self.lookahead is not None else {folder.name}
         for old in (self.work_dir / POLICY_DIR).iterdir():  # the servers unloaded the older versions
             if old.name not in kept:
                 await asyncio.to_thread(shutil.rmtree, old, True)
