@@ -21,6 +21,7 @@ from workers.models.loading import load_model
 from workers.engine.prompting import ChatFormatter
 from workers.engine.rollout import EngineConfig, RolloutEngine, RolloutSpec
 from workers.engine.tools_client import ToolClient
+from workers.engine.sampler import GenerationRequest
 from workers.engine.vllm_sampler import VLLMSampler, VLLMUnavailable
 
 
@@ -224,38 +225,39 @@ def test_a_server_reporting_raw_logprobs_is_refused():
 
 def test_a_policy_published_while_a_step_samples_serves_the_next_turns_and_the_old_one_retires(vllm_server, smollm2,
                                                                                                tmp_path):
-    """Sampling a step ahead: a new version published mid-session serves every turn that starts
-    after it (the turns say which version sampled them); the version it replaced stays loaded while
-    a turn of it is in flight and is unloaded at the next publish after; release unloads the rest."""
-    config = EngineConfig(max_tokens_per_turn=8, max_tokens_per_rollout=64, max_episode_steps=3, temperature=1.0)
+    """Sampling a step ahead: a version published mid-session serves every turn that starts after
+    it, and each turn says which version sampled it; the version it replaced stays loaded while a
+    turn of it is in flight, and is unloaded at the next publish once none is."""
+    config = EngineConfig(max_tokens_per_turn=8, max_tokens_per_rollout=64, temperature=1.0)
     sampler = VLLMSampler([vllm_server], model=VLLM_MODEL, config=config, adapter_prefix="ftjob-ahead")
+    ids = smollm2.tokenizer.encode("Count from one to one hundred in words: one, two,")
 
-    async def go() -> tuple[list, set[str]]:
+    async def go() -> tuple:  # noqa: ANN202
         await sampler.publish_policy(1, adapter(smollm2, tmp_path / "v1", seed=1))
-        async with ToolClient([{"name": "search", "server_url": url}], allowlist=["127.0.0.1"]) as client:
-            engine = RolloutEngine(smollm2.model, smollm2.tokenizer, ChatFormatter(smollm2.tokenizer), client, config,
-                                   sampler=sampler)
-            specs = [RolloutSpec(i, [{"role": "user", "content": f"Count to {i + 20}."}], [SEARCH], {}, seed=i)
-                     for i in range(4)]
-            sampling = asyncio.create_task(engine.run(specs))
-            await asyncio.sleep(0.3)  # the first turns are in flight on v1
+        async with sampler.session() as session:
+            long_turn = asyncio.create_task(session.generate(GenerationRequest(ids, max_new_tokens=200, seed=1)))
+            while not sampler.sampling["ftjob-ahead-v1"]:
+                await asyncio.sleep(0.01)
             await sampler.publish_policy(2, adapter(smollm2, tmp_path / "v2", seed=2))
-            during = served(vllm_server)
-            return await sampling, during
+            in_flight, retiring = not long_turn.done(), list(sampler.retired)
+            during = await asyncio.to_thread(served, vllm_server)
+            next_turn = await session.generate(GenerationRequest(ids, max_new_tokens=4, seed=2))
+            return await long_turn, next_turn, in_flight, retiring, during
 
-    with tool_server() as (url, _):
-        try:
-            records, during = asyncio.run(go())
-            assert "ftjob-ahead-v2" in during and sampler.policy_version == 2
-            versions = [r.policy_versions for r in records]
-            assert all(len(v) == r.turns and v == sorted(v) and set(v) <= {1, 2} for v, r in zip(versions, records))
-            assert any(1 in v for v in versions), versions  # turns that started before the publish stayed on v1
-            asyncio.run(sampler.publish_policy(3, adapter(smollm2, tmp_path / "v3", seed=3)))
-            names = served(vllm_server)
-            assert "ftjob-ahead-v3" in names and not {"ftjob-ahead-v1", "ftjob-ahead-v2"} & names
-            assert sampler.loaded_policies() == ["ftjob-ahead-v3"]
-        finally:
-            asyncio.run(sampler.release())
+    try:
+        first, second, in_flight, retiring, during = asyncio.run(go())
+        assert (first.policy_version, second.policy_version) == (1, 2)
+        assert "ftjob-ahead-v2" in during
+        if in_flight:  # the usual case: 200 tokens outlast loading an adapter
+            assert retiring == ["ftjob-ahead-v1"] and "ftjob-ahead-v1" in during
+        else:
+            assert retiring == [] and "ftjob-ahead-v1" not in during
+        asyncio.run(sampler.publish_policy(3, adapter(smollm2, tmp_path / "v3", seed=3)))
+        names = served(vllm_server)
+        assert "ftjob-ahead-v3" in names and not {"ftjob-ahead-v1", "ftjob-ahead-v2"} & names
+        assert sampler.loaded_policies() == ["ftjob-ahead-v3"]
+    finally:
+        asyncio.run(sampler.release())
     assert not {name for name in served(vllm_server) if name.startswith("ftjob-ahead")}
 
 

@@ -120,7 +120,9 @@ class Trainer(TrainingRun):
         c = self.config
         data = {"total_steps": self.total_steps, "batch_size": c.batch_size, "group_size": c.group_size,
                 "n_epochs": c.n_epochs, "learning_rate": c.learning_rate, "loss": c.loss, "kl_coef": c.kl_coef,
-                "training_mode": c.training_mode, "eval_interval": c.eval_interval, "eval_samples": c.eval_samples}
+                "training_mode": c.training_mode, "eval_interval": c.eval_interval, "eval_samples": c.eval_samples,
+                "max_staleness": c.max_staleness if self.lookahead is not None else 0,
+                "refill_zero_spread": c.refill_zero_spread}
         if c.max_staleness and self.lookahead is None:
             await self._event("warn", "max_staleness 1 is off for this job: with several training processes the "
                                       "in-process engine samples on all of them, between updates. Use a vLLM "
@@ -131,8 +133,9 @@ class Trainer(TrainingRun):
         if self.progress.step:
             await self._event("info", f"Resumed training at step {self.progress.step} of {self.total_steps}.", data)
         else:
+            ahead = "; each step sampled while the previous one updates" if self.lookahead is not None else ""
             await self._event("info", f"Training started: {self.total_steps} steps of {c.batch_size} prompts × "
-                              f"{c.group_size} rollouts ({c.loss}, {c.training_mode}).", data)
+                              f"{c.group_size} rollouts ({c.loss}, {c.training_mode}{ahead}).", data)
 
     # -- setup -----------------------------------------------------------------------------------
 
