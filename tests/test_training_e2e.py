@@ -163,10 +163,13 @@ def test_a_failing_grader_server_fails_the_job_cleanly(training_settings, projec
 
 
 def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(training_settings, project, pg_url):
+    """SIGKILL mid-step while the next step is sampled ahead (max_staleness 1): the job resumes from
+    its last saved step on another worker and every step is reported once, sampled at most one
+    policy version behind its update. (Synchronous steps resume the same way: tests/rl/test_trainer.py.)"""
     with live_server(training_settings) as base, tool_server() as (tool_url, _), \
             openai.OpenAI(base_url=f"{base}/v1", api_key=project["key"], max_retries=0) as sdk:
         with celery_worker(training_settings, base) as (worker, _):
-            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=1)
+            job_id = create_job(sdk, tool_url, n_rows=6, n_epochs=2, eval_interval=1, x_open_model={"max_staleness": 1})
             # Mid-step, no goodbye: the step's rollouts are reported, its training state not yet saved.
             wait_for(lambda: unsaved_steps(pg_url, job_id), timeout=180, interval=0.01)
             os.killpg(worker.pid, signal.SIGKILL)
@@ -184,6 +187,8 @@ def test_a_killed_worker_is_replaced_and_no_step_is_lost_or_counted_twice(traini
         assert metric_steps[-1] == events[[e.type for e in events].index("metrics")].data["total_steps"]
         assert total is not None
         assert_each_step_once(sdk, pg_url, job_id)
+        lags = [e.data["train"]["staleness_max"] for e in events if e.type == "metrics"]
+        assert all(lag in (0, 1) for lag in lags) and 1 in lags, lags
 
 
 def unsaved_steps(pg: str | psycopg.Connection, job_id: str) -> list[int]:

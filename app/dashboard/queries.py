@@ -373,6 +373,7 @@ def rollout_detail(*, session: Session, job_id: str, trace_id: str) -> dict[str,
         "sub_rewards": record.get("sub_rewards") or {}, "final_answer": record.get("final_answer"),
         "usage": {k: record.get(k) for k in ("prompt_tokens", "completion_tokens", "tool_output_tokens")},
         "turns": record.get("turns"), "parse_errors": record.get("parse_errors"),
+        "policy_versions": record.get("policy_versions") or [],
         "wall_time_s": record.get("wall_time_s"), "entries": transcript(record),
         "w3c_trace_id": w3c_trace_id(row.trace_id),
     }

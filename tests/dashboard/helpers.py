@@ -70,6 +70,8 @@ def rollout(step: int, i: int, *, reward: float | None, finish: str, tools: list
     return {"trace_id": f"trace_s{step}_r{i}", "sample_index": i % 2, "reward": reward, "finish_reason": finish,
             "messages": messages, "tool_calls": calls, "prompt_tokens": 20, "completion_tokens": 30,
             "tool_output_tokens": 10, "turns": len(tools) + 1, "parse_errors": 0, "wall_time_s": 0.4,
+            # sampled a step ahead: the first turn by the policy before the previous update, the rest after it
+            "policy_versions": [max(0, step - 2)] + [step - 1] * len(tools),
             "final_answer": "42", "advantage": 0.5, "excluded": None if reward is not None else "grader_failure",
             "grader_errors": [] if reward is not None else ["grader_server_error"], "grader_details": None,
             "sub_rewards": {"answer": reward} if reward is not None else None}

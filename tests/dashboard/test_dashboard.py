@@ -441,6 +441,7 @@ def test_transcript_shows_turns_tool_calls_grades_and_the_trace_id(client, proje
     assert "output truncated" in html and "12 ms" in html and "result 0" in html
     assert "&#34;query&#34;: &#34;q0&#34;" in html  # pretty-printed arguments, escaped
     assert "1.0000" in html and "No grader errors." in html
+    assert '<dd id="rollout-policy-versions">0, 0, 0</dd>' in html  # the version that sampled each turn
     failed = client.get(f"/dashboard/jobs/{running_job}/rollouts/trace_s1_r3").text
     assert "grader_server_error" in failed and "excluded: grader_failure" in failed
     assert client.get(f"/dashboard/jobs/{running_job}/rollouts/trace_nope").status_code == 404
