@@ -26,6 +26,10 @@ the machine hits both). Per run:
     .venv/bin/python -m benchmarks.training.overlap [--delays 0.2 1.0] [--staleness 0 1]
                                                     [--steps 4] [--repeats 3]
 
+`--learning-rate 1e-7 --eval-rows 1` holds the policy still, so that both settings sample the
+same work at every step (the demo's rate changes how much the agent browses within a step or two,
+and with it the step's cost): the seconds per step of the overlap alone; `--out` names the JSON.
+
 Prints a table (per delay: median s/step of staleness 0 and 1, their ratio, the held-out reward's
 median and spread max-min over repeats) and writes benchmarks/results/training_overlap.json.
 Target: staleness 1 / staleness 0 seconds per step ≤ 0.6 with 1 s tools (the held-out reward is
@@ -99,7 +103,8 @@ class WallClockHooks(QuietHooks):
         self.valid_reward = valid_reward_mean
 
 
-def rft_config(settings: dict[str, Any], staleness: int, n_train: int, n_valid: int, seed: int) -> Any:
+def rft_config(settings: dict[str, Any], staleness: int, n_train: int, n_valid: int, seed: int,
+               learning_rate: float | None = None) -> Any:
     """The demo's reinforcement method (examples/financial_reports/demo.py, reinforcement_method)
     with x_open_model.max_staleness, resolved as the worker resolves a job's."""
     from app.jobs.schemas import TrainingOptions
@@ -109,7 +114,8 @@ def rft_config(settings: dict[str, Any], staleness: int, n_train: int, n_valid: 
     options = TrainingOptions.model_validate({
         "max_episode_steps": DEMO.tool_budget,
         "hyperparameters": {**DEMO.hyperparameters, "n_epochs": 1, "eval_samples": n_valid},  # every held-out row
-        "x_open_model": {**DEMO.x_open_model, "dtype": settings["dtype"], "max_staleness": staleness}})
+        "x_open_model": {**DEMO.x_open_model, "dtype": settings["dtype"], "max_staleness": staleness,
+                         **({"learning_rate": learning_rate} if learning_rate else {})}})
     config, _ = resolve_hyperparameters(options, n_train=n_train, n_valid=n_valid, seed=seed)
     if getattr(config, "max_staleness", 0) != staleness:
         raise RuntimeError(f"resolve_hyperparameters does not pass x_open_model.max_staleness={staleness} on")
@@ -133,7 +139,8 @@ async def train_starting_agent(settings: dict[str, Any], port: int, trace_rows: 
 
 
 async def one_run(settings: dict[str, Any], start: Any, port: int, grader_url: str, rows: list[dict],
-                  held_out: list[dict], staleness: int, steps: int, seed: int, work_dir: Path) -> dict[str, Any]:
+                  held_out: list[dict], staleness: int, steps: int, seed: int, work_dir: Path,
+                  learning_rate: float | None = None) -> dict[str, Any]:
     """One reinforcement run from a fresh copy of the starting agent; what it measured."""
     from pydantic import TypeAdapter
 
@@ -146,7 +153,8 @@ async def one_run(settings: dict[str, Any], start: Any, port: int, grader_url: s
     loaded = replace(start, model=copy.deepcopy(start.model))
     hooks = WallClockHooks(steps)
     async with ToolClient(tool_endpoints(port), allowlist=["127.0.0.1"]) as client:
-        trainer = Trainer(loaded=loaded, config=rft_config(settings, staleness, len(rows), len(held_out), seed),
+        config = rft_config(settings, staleness, len(rows), len(held_out), seed, learning_rate)
+        trainer = Trainer(loaded=loaded, config=config,
                           train_rows=rows, valid_rows=held_out,
                           grader=TypeAdapter(Grader).validate_python(grader_spec(grader_url)),
                           grader_ctx=GraderContext(outbound_allowlist=["127.0.0.1"]), tool_client=client,
@@ -165,6 +173,9 @@ async def one_run(settings: dict[str, Any], start: Any, port: int, grader_url: s
             "tool_calls_per_rollout": mean(m["tools"].get("tool_calls_per_rollout", 0) for m in hooks.metrics),
             "train_reward": [m["scores"]["train_reward_mean"] for m in hooks.metrics],
             "step_timing": [m["timing"]["step"] for m in hooks.metrics],
+            "step_breakdown": [m["timing"]["breakdown"] for m in hooks.metrics],
+            "sampled_ahead_timing": [m["timing"].get("ahead") for m in hooks.metrics],
+            "completion_tokens": [m["usage"]["completion_tokens"] for m in hooks.metrics],
             "staleness_mean": mean(staleness_means) if staleness_means else None,
             "staleness_max": max(staleness_maxes) if staleness_maxes else None}
 
@@ -211,12 +222,13 @@ def save(settings: dict[str, Any], args: argparse.Namespace, runs: list[dict[str
     at_target = [r["ratio_vs_staleness_0"] for r in rows
                  if r["delay_s"] == TARGET_DELAY_S and r["staleness"] == 1 and r["ratio_vs_staleness_0"] is not None]
     out = {"settings": {**settings, "delays_s": args.delays, "staleness": args.staleness, "steps": args.steps,
-                        "repeats": args.repeats, "threads": args.threads},
+                        "repeats": args.repeats, "threads": args.threads, "learning_rate": args.learning_rate,
+                        "eval_rows": args.eval_rows},
            "target": {"ratio_at_1s_tools": TARGET_RATIO, "ratio": at_target[0] if at_target else None,
                       "met": at_target[0] <= TARGET_RATIO if at_target else None},
            "summary": rows, "table": table(rows), "runs": runs}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
     return out["table"]
 
 
@@ -233,13 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the demo's 2 cores)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="instead of the demo's (1e-7: hold still)")
+    parser.add_argument("--eval-rows", type=int, default=None, help="held-out rows evaluated (default: all 24)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = demo_settings()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="training-overlap-") as tmp, ExitStack() as stack:
         corpus, train_rows, held_out = build_task(settings, Path(tmp) / "data")
-        held_out = held_out[: DEMO.held_out_rows]
+        held_out = held_out[: args.eval_rows or DEMO.held_out_rows]
         trace_rows, rft_rows = split_by_company(train_rows, settings["task"]["rft_companies"])
         rows, _ = size_training(rft_rows, args.steps, DEMO.hyperparameters["batch_size"])  # one epoch of `steps`
         port, tools = serve_slow_tools(stack, corpus, Path(tmp) / "index")
@@ -254,14 +269,14 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
                     work_dir = Path(tmp) / f"rft-{delay:g}-{staleness}-{repeat}"
                     result = asyncio.run(one_run(settings, start, port, grader_url, rows, held_out, staleness,
-                                                 args.steps, repeat, work_dir))
+                                                 args.steps, repeat, work_dir, args.learning_rate))
                     runs.append({"delay_s": delay, "staleness": staleness, "repeat": repeat, **result})
                     print(f"  -> first step {result['first_step_s']} s, then {result['step_s']} s; held-out reward "
                           f"{result['held_out_reward']}", flush=True)
                     save(settings, args, runs)  # each run as soon as it is done
                     gc.collect()
     print(save(settings, args, runs))
-    print(f"wrote {RESULTS} ({time.perf_counter() - started:.0f} s)")
+    print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":
