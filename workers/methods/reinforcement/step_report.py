@@ -117,7 +117,10 @@ def staleness(records: list[Any], *, updated_version: int) -> dict[str, Any]:
 def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], stats: UpdateStats, n_used: int,
                  zero_spread_groups: int, n_groups: int, timing: dict[str, dict[str, float]],
                  sampling: SamplingCost, valid: dict[str, Any] | None, learning_rate: float,
-                 graders: dict[str, Any] | None = None) -> dict[str, Any]:
+                 graders: dict[str, Any] | None = None, updated_version: int = 0,
+                 sampled_ahead: bool = False) -> dict[str, Any]:
+    """`n_groups`: the prompts the step drew; `updated_version`: the policy version its update
+    started from, which the turns' versions lag (`staleness`)."""
     records = [g.record for g in graded]
     scores: dict[str, Any] = {"train_reward_mean": mean_or_none([g.reward for g in graded if g.reward is not None])}
     if sub := sub_reward_means(graded):
@@ -146,5 +149,7 @@ def step_metrics(*, step: int, total_steps: int, graded: list[GradedRollout], st
                   "learning_rate": learning_rate,
                   "frac_reward_zero_std": zero_spread_groups / n_groups,
                   "rollouts_used": n_used,
-                  "rollouts_excluded": sum(1 for g in graded if g.excluded is not None)},
+                  "rollouts_excluded": sum(1 for g in graded if g.excluded is not None),
+                  "prompts_drawn": n_groups, "sampled_ahead": sampled_ahead,
+                  **staleness(records, updated_version=updated_version)},
     }

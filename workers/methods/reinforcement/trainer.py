@@ -44,7 +44,7 @@ from workers.engine.prompting import ChatFormatter
 from workers.engine.rollout import RolloutEngine
 from workers.engine.sampler import Sampler
 from workers.methods.reinforcement.lookahead import LAGGED_POLICY, LaggedPolicy, Lookahead
-from workers.methods.reinforcement.step_report import GraderLoad, SamplingCost, StepClock, staleness, step_metrics
+from workers.methods.reinforcement.step_report import GraderLoad, SamplingCost, StepClock, step_metrics
 from workers.training.training_run import StepFailure, StepResult, TrainingHooks, TrainingRun
 from workers.methods.reinforcement.update import (
     LossSettings,
@@ -212,9 +212,7 @@ class Trainer(TrainingRun):
                                n_used=len(sequences), zero_spread_groups=zero_spread_groups, n_groups=batch.n_groups,
                                timing=clock.report(batch.cost, stats, ahead=batch.seconds if batch.ahead else None),
                                sampling=batch.cost, valid=valid, learning_rate=self.optimizer.param_groups[0]["lr"],
-                               graders=batch.graders)
-        metrics["train"].update(staleness([g.record for g in graded], updated_version=step - 1),
-                                prompts_drawn=batch.n_groups, sampled_ahead=batch.ahead)
+                               graders=batch.graders, updated_version=step - 1, sampled_ahead=batch.ahead)
         await self._warn_about_exclusions(step, graded)
         await self._report_failovers(step)
         return StepResult(metrics, stats.sampled_tokens, batch.next_position, evaluated,
