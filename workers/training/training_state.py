@@ -182,6 +182,11 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
         missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
         raise TrainingStateError(f"the saved weights do not fit this model (missing {missing[:3]}, "
                                  f"unexpected {unexpected[:3]})")
+    copy_tensors(saved, params)
+
+
+def copy_tensors(source: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    """Copy each of `params` (by name) from `source`, onto the parameter's device and dtype."""
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(saved[name].to(device=param.device, dtype=param.dtype))
+            param.copy_(source[name].to(device=param.device, dtype=param.dtype))

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from workers.training.training_state import copy_tensors
+
 LAGGED_POLICY = "lagged_policy"  # the copy's trained tensors, saved with the training state under this name
 
 
@@ -46,10 +48,7 @@ class LaggedPolicy:
         return {name: own[name] for name in self.names}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        own = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name in self.names:
-                own[name].copy_(tensors[name].to(device=own[name].device, dtype=own[name].dtype))
+        copy_tensors(tensors, self.tensors())
 
 
 class Lookahead:

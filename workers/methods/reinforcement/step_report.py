@@ -78,25 +78,27 @@ class StepClock:
         """`ahead`: the sampling and grading seconds of a batch sampled while the previous step
         updated; the step itself only waited for what was left of them (its `sampling`)."""
         step = {**self.seconds, "full_iteration": self.last - self.started}
-        report = {"step": step, "breakdown": step_breakdown(step, {} if ahead else sampling.timings, update)}
-        if ahead:
-            report["ahead"] = {**ahead, **{k.removesuffix("_s"): v for k, v in sampling.timings.items()}}
-            report["breakdown"]["waiting_for_batch_ahead"] = report["breakdown"].pop("tool_wait_and_other")
-            for part in ("prefill", "decode"):
-                report["breakdown"].pop(part)
-        return report
+        if not ahead:
+            return {"step": step, "breakdown": step_breakdown(step, sampling.timings, update)}
+        return {"step": step, "breakdown": step_breakdown(step, None, update),
+                "ahead": {**ahead, **{k.removesuffix("_s"): v for k, v in sampling.timings.items()}}}
 
 
-def step_breakdown(timing: dict[str, float], generation: dict[str, float], update: UpdateStats) -> dict[str, float]:
+def step_breakdown(timing: dict[str, float], generation: dict[str, float] | None,
+                   update: UpdateStats) -> dict[str, float]:
     """A step's seconds split where they went; the parts add up to the step. Sampling: prefill (the
     first forward of each generation batch), decode (every later forward and its sampling), and the
     rest, the wall time the model sat idle (tool calls, batching waits, tokenizing). The update:
-    forward, backward, and the rest (optimizer step, collation). A step whose batch was sampled
-    ahead only waited for it: its sampling is that wait (StepClock.report)."""
-    prefill, decode = generation.get("prefill_s", 0.0), generation.get("decode_s", 0.0)
+    forward, backward, and the rest (optimizer step, collation). `generation` None: the batch was
+    sampled ahead, and the step's sampling is only its wait for it (StepClock.report)."""
+    if generation is None:
+        sampling = {"waiting_for_batch_ahead": timing["sampling"]}
+    else:
+        prefill, decode = generation.get("prefill_s", 0.0), generation.get("decode_s", 0.0)
+        sampling = {"prefill": prefill, "decode": decode,
+                    "tool_wait_and_other": max(0.0, timing["sampling"] - prefill - decode)}
     return {
-        "prefill": prefill, "decode": decode, "tool_wait_and_other": max(0.0, timing["sampling"] - prefill - decode),
-        "grading": timing["grading"], "forward": update.forward_s, "backward": update.backward_s,
+        **sampling, "grading": timing["grading"], "forward": update.forward_s, "backward": update.backward_s,
         "optimizer_and_other": max(0.0, timing["training"] - update.forward_s - update.backward_s),
         "eval": timing["eval"],
     }

@@ -95,7 +95,7 @@ class Trainer(TrainingRun):
         # The sampler starts from the restored policy, or the fine-tuned adapter the job continues.
         if self.progress.step > 0 or self.continues_adapter:
             await self._publish_policy(self.progress.step)
-        if self.lookahead is not None and self.lagged is not None:
+        if self.lagged is not None:
             await self._restore_lagged_policy()
 
     async def _restore_lagged_policy(self) -> None:
@@ -236,13 +236,13 @@ class Trainer(TrainingRun):
         if self.lagged is not None:
             await asyncio.to_thread(self.lagged.refresh, self.model)
             await self.ahead_engine.sampler.publish_policy(step - 1, None)
-        batch = self._sample_batch(step + 1, position, self.ahead_engine)
-        self.lookahead.start(step + 1, _marked_ahead(batch))
+        self.lookahead.start(step + 1, self._sample_batch(step + 1, position, self.ahead_engine, ahead=True))
 
-    async def _sample_batch(self, step: int, position: DataPosition, engine: RolloutEngine) -> SampledBatch:
+    async def _sample_batch(self, step: int, position: DataPosition, engine: RolloutEngine, *,
+                            ahead: bool = False) -> SampledBatch:
         """`group_size` rollouts for each of the next `batch_size` prompts, graded; with
         refill_zero_spread, more prompts until `batch_size` groups have a reward spread (at most
-        REFILL_LIMIT × batch_size prompts in all)."""
+        REFILL_LIMIT × batch_size prompts in all). `ahead`: sampled while the previous step updates."""
         c = self.config
         graded: list[GradedRollout] = []
         cost, seconds, wanted = SamplingCost({}, 0), {"sampling": 0.0, "grading": 0.0}, c.batch_size
@@ -261,7 +261,7 @@ class Trainer(TrainingRun):
             seconds["grading"] += time.perf_counter() - graded_at
             wanted = self._prompts_to_refill(graded)
         graders = GraderLoad.of(self.grader_ctx).since(grader_load)
-        return SampledBatch(graded, len(graded) // c.group_size, position, cost, graders, seconds)
+        return SampledBatch(graded, len(graded) // c.group_size, position, cost, graders, seconds, ahead)
 
     def _prompts_to_refill(self, graded: list[GradedRollout]) -> int:
         """How many more prompts the step draws: none unless refill_zero_spread, else those still
@@ -394,9 +394,3 @@ class Trainer(TrainingRun):
             await self._event("warn", f"Step {step}: {tool + grader} of {len(graded)} rollouts excluded from the "
                               f"update ({tool} tool failures, {grader} grader failures).",
                               {"step": step, "tool_failures": tool, "grader_failures": grader})
-
-
-async def _marked_ahead(sampling: Any) -> SampledBatch:
-    batch = await sampling
-    batch.ahead = True
-    return batch
