@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from agent_rft.graders.core import GraderContext
@@ -129,3 +130,27 @@ def test_refill_zero_spread_draws_prompts_until_the_batch_has_its_groups_with_a_
             for records, t in zip(hooks.train_records, per_step):
                 assert len(records) == t["prompts_drawn"] * cfg.group_size
                 assert t["frac_reward_zero_std"] == (t["prompts_drawn"] - 2) / t["prompts_drawn"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_lagged_policy_follows_the_trainer_on_a_gpu(tmp_path):
+    """On CUDA (no CPU speed-up applies there): the copy the step ahead samples stays on the
+    device, holds the trainer's weights after a refresh, and keeps them while the trainer moves on."""
+    from workers.methods.reinforcement.lookahead import LaggedPolicy
+    from workers.models.lora import training_mode
+
+    model = training_mode(load_model("tiny-smollm2", device="cuda"), "lora", rank=4, alpha=8)
+    lagged = LaggedPolicy(model)
+    assert {p.device.type for p in lagged.model.parameters()} == {"cuda"}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    lagged.refresh(model)
+    trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(lagged.tensors()[name], trained[name]) for name in trained)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    assert all(torch.equal(lagged.tensors()[name], trained[name]) for name in trained)
